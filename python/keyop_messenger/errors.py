@@ -1,0 +1,60 @@
+"""Exceptions raised by keyop-messenger.
+
+Every error the library raises on purpose is a :class:`KeyopError`. The Rust
+engine's errors are mapped onto these classes in one place (the binding's
+``errors.rs``); the Python layer raises them directly.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KeyopError",
+    "ConfigError",
+    "InvalidNameError",
+    "PayloadTypeError",
+    "MessageTooLargeError",
+    "StorageError",
+    "ClosedError",
+]
+
+
+class KeyopError(Exception):
+    """Base class of every keyop-messenger error."""
+
+
+class ConfigError(KeyopError, ValueError):
+    """The configuration is invalid.
+
+    ``problems`` lists every problem found, one message each; ``str(err)``
+    shows them all.
+    """
+
+    def __init__(self, problems: list[str] | str) -> None:
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems: list[str] = list(problems)
+        if len(self.problems) == 1:
+            text = f"invalid configuration: {self.problems[0]}"
+        else:
+            text = "invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(text)
+
+
+class InvalidNameError(KeyopError, ValueError):
+    """A channel name, subscriber id or other name that becomes a path is not allowed."""
+
+
+class PayloadTypeError(KeyopError, TypeError):
+    """A payload does not match its registered type, or cannot be encoded as JSON."""
+
+
+class MessageTooLargeError(KeyopError, ValueError):
+    """An encoded message is larger than the 10 MiB record limit."""
+
+
+class StorageError(KeyopError, OSError):
+    """Reading or writing the data directory failed; a failed publish was not committed."""
+
+
+class ClosedError(KeyopError, RuntimeError):
+    """The messenger (or subscription) has been closed."""

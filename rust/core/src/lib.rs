@@ -1,0 +1,38 @@
+//! keyop-core: the storage and delivery engine of keyop-messenger.
+//!
+//! Pure Rust, no Python. The disk format is that of keyop-messenger 1.4
+//! (segment files of JSON-lines envelopes); see `envelope` and `storage`.
+
+pub mod engine;
+pub mod envelope;
+pub mod storage;
+
+pub use engine::{read_channel, Engine, Outgoing, Published};
+pub use envelope::{Envelope, NameError, NameKind};
+pub use storage::{StorageError, StoreConfig};
+
+/// Errors of the engine's public operations. The Python binding maps each
+/// variant onto one exception class.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    InvalidName(#[from] NameError),
+    #[error("message is {size} bytes encoded; the limit is {limit} bytes")]
+    TooLarge { size: usize, limit: usize },
+    #[error("{0}")]
+    Closed(String),
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Storage(StorageError),
+}
+
+impl From<StorageError> for Error {
+    fn from(e: StorageError) -> Error {
+        match e {
+            StorageError::Name(n) => Error::InvalidName(n),
+            StorageError::Closed(c) => Error::Closed(format!("channel {c:?} is closed")),
+            other => Error::Storage(other),
+        }
+    }
+}

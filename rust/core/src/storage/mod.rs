@@ -1,0 +1,224 @@
+//! Channel storage: the data directory, segment files, the per-channel writer
+//! with group commit, and readers.
+
+pub mod reader;
+pub mod segment;
+pub mod writer;
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub use reader::{Item, LogReader};
+pub use writer::{Appended, ChannelWriter, CommitNotifier, CounterSnapshot, FaultPoint, WriterConfig};
+
+use crate::envelope::{validate_name, NameError, NameKind};
+
+/// Errors of the storage layer.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StorageError {
+    /// An I/O step failed; `context` says which and for what.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: Arc<io::Error>,
+    },
+    /// The channel's writer (or the store) was closed.
+    #[error("channel {0:?} is closed")]
+    Closed(String),
+    /// Another messenger holds the data directory.
+    #[error(
+        "data directory {0} is in use by another messenger (its lock file is held); \
+         close that messenger or use a different storage.data_dir"
+    )]
+    Locked(PathBuf),
+    /// A name that would become a path was refused.
+    #[error(transparent)]
+    Name(#[from] NameError),
+}
+
+impl StorageError {
+    /// The OS error number behind an I/O failure, if any.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            StorageError::Io { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+/// Settings of a [`Store`].
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub data_dir: PathBuf,
+    /// 0: every append is fdatasynced before it returns; N: a timer
+    /// fdatasyncs every N ms and appends return after the write.
+    pub sync_interval_ms: u64,
+    /// Segment roll size in bytes; 0 never rolls.
+    pub segment_bytes: u64,
+}
+
+/// Name of the lock file that keeps two messengers off one data directory.
+pub const LOCK_FILE: &str = "keyop.lock";
+
+struct Shared {
+    cfg: StoreConfig,
+    writers: Mutex<HashMap<String, Arc<ChannelWriter>>>,
+    stop: Mutex<bool>,
+    stop_cv: Condvar,
+}
+
+/// An open data directory: its layout, lock, and one writer per channel.
+pub struct Store {
+    shared: Arc<Shared>,
+    syncer: Mutex<Option<JoinHandle<()>>>,
+    _lock: File,
+}
+
+fn io_err(context: String) -> impl FnOnce(io::Error) -> StorageError {
+    move |e| StorageError::Io {
+        context,
+        source: Arc::new(e),
+    }
+}
+
+impl Store {
+    /// Opens (creating if needed) `data_dir` with its `channels/`,
+    /// `subscribers/` and `audit/` directories, and takes its lock.
+    pub fn open(cfg: StoreConfig) -> Result<Store, StorageError> {
+        let root = &cfg.data_dir;
+        for sub in ["channels", "subscribers", "audit"] {
+            let dir = root.join(sub);
+            segment::create_dir_all(&dir)
+                .map_err(io_err(format!("cannot create directory {}", dir.display())))?;
+        }
+        let lock_path = root.join(LOCK_FILE);
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io_err(format!("cannot open {}", lock_path.display())))?;
+        // SAFETY: flock on a descriptor we own; no memory is shared.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                return Err(StorageError::Locked(root.clone()));
+            }
+            return Err(io_err(format!("cannot lock {}", lock_path.display()))(e));
+        }
+        let shared = Arc::new(Shared {
+            cfg,
+            writers: Mutex::new(HashMap::new()),
+            stop: Mutex::new(false),
+            stop_cv: Condvar::new(),
+        });
+        let syncer = if shared.cfg.sync_interval_ms > 0 {
+            let s = shared.clone();
+            Some(
+                std::thread::Builder::new()
+                    .name("keyop-fsync".into())
+                    .spawn(move || s.run_syncer())
+                    .map_err(io_err("cannot start the fsync timer thread".into()))?,
+            )
+        } else {
+            None
+        };
+        Ok(Store {
+            shared,
+            syncer: Mutex::new(syncer),
+            _lock: lock,
+        })
+    }
+
+    /// The data directory.
+    pub fn data_dir(&self) -> &Path {
+        &self.shared.cfg.data_dir
+    }
+
+    /// Directory of `channel` (validated).
+    pub fn channel_dir(&self, channel: &str) -> Result<PathBuf, StorageError> {
+        validate_name(NameKind::Channel, channel)?;
+        Ok(channel_dir(&self.shared.cfg.data_dir, channel))
+    }
+
+    /// The writer of `channel`, opened (and recovered) on first use.
+    pub fn writer(&self, channel: &str) -> Result<Arc<ChannelWriter>, StorageError> {
+        let mut writers = self.shared.writers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = writers.get(channel) {
+            return Ok(w.clone());
+        }
+        if *self.shared.stop.lock().unwrap_or_else(|e| e.into_inner()) {
+            return Err(StorageError::Closed(channel.to_owned()));
+        }
+        let dir = self.channel_dir(channel)?;
+        let cfg = WriterConfig {
+            segment_bytes: self.shared.cfg.segment_bytes,
+            durable: self.shared.cfg.sync_interval_ms == 0,
+        };
+        let w = Arc::new(ChannelWriter::open(channel, &dir, cfg)?);
+        writers.insert(channel.to_owned(), w.clone());
+        Ok(w)
+    }
+
+    /// Writers opened so far.
+    pub fn writers(&self) -> Vec<Arc<ChannelWriter>> {
+        let writers = self.shared.writers.lock().unwrap_or_else(|e| e.into_inner());
+        writers.values().cloned().collect()
+    }
+
+    /// Closes every writer (each syncs) and stops the fsync timer. Idempotent.
+    pub fn close(&self) {
+        *self.shared.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.shared.stop_cv.notify_all();
+        if let Some(t) = self.syncer.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+        for w in self.writers() {
+            w.close();
+        }
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl Shared {
+    fn run_syncer(&self) {
+        let interval = Duration::from_millis(self.cfg.sync_interval_ms);
+        let mut stop = self.stop.lock().unwrap_or_else(|e| e.into_inner());
+        while !*stop {
+            stop = self
+                .stop_cv
+                .wait_timeout(stop, interval)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            drop(stop);
+            let writers: Vec<_> = self
+                .writers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .cloned()
+                .collect();
+            for w in writers {
+                w.sync_if_dirty();
+            }
+            stop = self.stop.lock().unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// `data_dir/channels/<channel>` (the name must already be validated).
+pub fn channel_dir(data_dir: &Path, channel: &str) -> PathBuf {
+    data_dir.join("channels").join(channel)
+}

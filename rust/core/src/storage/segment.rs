@@ -1,0 +1,121 @@
+//! Segment files: naming, discovery, and the small file-system helpers the
+//! writer and readers share.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+/// Width of the zero-padded start offset in a segment's file name.
+pub const SEGMENT_NAME_DIGITS: usize = 20;
+/// Extension of segment files.
+pub const SEGMENT_EXT: &str = ".jsonl";
+
+/// File name of the segment starting at global offset `start`.
+pub fn segment_name(start: u64) -> String {
+    format!("{start:0width$}{SEGMENT_EXT}", width = SEGMENT_NAME_DIGITS)
+}
+
+/// Parses a segment file name back into its start offset. Like the original,
+/// any `<signed 64-bit decimal>.jsonl` counts; negative starts are ignored.
+pub fn parse_segment_name(name: &str) -> Option<u64> {
+    let stem = name.strip_suffix(SEGMENT_EXT)?;
+    stem.parse::<i64>().ok().and_then(|v| u64::try_from(v).ok())
+}
+
+/// Start offsets of every segment in `dir`, ascending. A missing directory
+/// has no segments.
+pub fn list_segments(dir: &Path) -> io::Result<Vec<u64>> {
+    let mut starts = Vec::new();
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(starts),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            continue;
+        }
+        if let Some(start) = entry.file_name().to_str().and_then(parse_segment_name) {
+            starts.push(start);
+        }
+    }
+    starts.sort_unstable();
+    Ok(starts)
+}
+
+/// Path of the segment starting at `start` in `dir`.
+pub fn segment_path(dir: &Path, start: u64) -> PathBuf {
+    dir.join(segment_name(start))
+}
+
+/// Stream end of a channel directory: start of the last segment plus its size.
+pub fn stream_end(dir: &Path) -> io::Result<u64> {
+    match list_segments(dir)?.last() {
+        None => Ok(0),
+        Some(&start) => Ok(start + fs::metadata(segment_path(dir, start))?.len()),
+    }
+}
+
+/// Creates a new, empty segment (exclusive create, mode 0644 before umask)
+/// and fsyncs the directory so the new entry survives a crash.
+pub fn create_segment(dir: &Path, start: u64) -> io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .open(segment_path(dir, start))?;
+    sync_dir(dir)?;
+    Ok(file)
+}
+
+/// fsyncs a directory (makes created, renamed and deleted entries durable).
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Creates `dir` and its parents with mode 0755 (before umask).
+pub fn create_dir_all(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)
+}
+
+/// Length of the longest prefix of `file` (of length `len`) that ends with a
+/// line feed, scanning backwards in blocks.
+pub fn last_complete_len(file: &File, len: u64) -> io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    const BLOCK: u64 = 64 * 1024;
+    let mut buf = vec![0u8; BLOCK as usize];
+    let mut end = len;
+    while end > 0 {
+        let start = end.saturating_sub(BLOCK);
+        let chunk = &mut buf[..(end - start) as usize];
+        file.read_exact_at(chunk, start)?;
+        if let Some(i) = chunk.iter().rposition(|&b| b == b'\n') {
+            return Ok(start + i as u64 + 1);
+        }
+        end = start;
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        assert_eq!(segment_name(0), "00000000000000000000.jsonl");
+        assert_eq!(segment_name(65536), "00000000000000065536.jsonl");
+        assert_eq!(parse_segment_name("00000000000000065536.jsonl"), Some(65536));
+        assert_eq!(parse_segment_name("65536.jsonl"), Some(65536));
+        assert_eq!(parse_segment_name("-1.jsonl"), None);
+        assert_eq!(parse_segment_name("x.jsonl"), None);
+        assert_eq!(parse_segment_name("00000000000000000000.jsonl.tmp"), None);
+    }
+}

@@ -1,0 +1,591 @@
+//! The channel writer: the single path through which every append to a
+//! channel goes, with group commit.
+//!
+//! Callers append whole records. The first caller to find no flush in
+//! progress becomes the leader: it takes every record queued at that moment,
+//! writes them with one positioned write, calls `fdatasync` once (durable
+//! mode), then wakes every caller of that batch. Callers arriving while a
+//! flush runs queue their records for the next batch, so N concurrent
+//! publishers share one fsync instead of paying N.
+//!
+//! Failure contract: an `Err` from [`ChannelWriter::append`] means the
+//! records were not committed; the file is truncated back to the last
+//! committed byte before the error is returned (a truncation that itself
+//! fails is retried before the next write). `Ok` means committed: durable in
+//! durable mode, written to the file otherwise.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use super::segment;
+use super::StorageError;
+
+/// How a writer commits.
+#[derive(Debug, Clone, Copy)]
+pub struct WriterConfig {
+    /// Roll to a new segment before a batch would grow the active one past
+    /// this many bytes; 0 never rolls.
+    pub segment_bytes: u64,
+    /// `true`: fdatasync before an append returns (`sync_interval_ms: 0`).
+    pub durable: bool,
+}
+
+/// Where an append landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Appended {
+    /// Global offset of the first appended byte.
+    pub offset: u64,
+    /// Global offset just past the last appended byte.
+    pub end: u64,
+}
+
+/// Counters of one writer since it was opened.
+#[derive(Debug, Default)]
+pub struct WriterCounters {
+    pub records: AtomicU64,
+    pub appends: AtomicU64,
+    pub batches: AtomicU64,
+    pub writes: AtomicU64,
+    pub fsyncs: AtomicU64,
+    pub bytes: AtomicU64,
+    pub rolls: AtomicU64,
+    pub failures: AtomicU64,
+}
+
+/// A plain copy of [`WriterCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CounterSnapshot {
+    pub records: u64,
+    pub appends: u64,
+    pub batches: u64,
+    pub writes: u64,
+    pub fsyncs: u64,
+    pub bytes: u64,
+    pub rolls: u64,
+    pub failures: u64,
+}
+
+impl WriterCounters {
+    fn snapshot(&self) -> CounterSnapshot {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        CounterSnapshot {
+            records: l(&self.records),
+            appends: l(&self.appends),
+            batches: l(&self.batches),
+            writes: l(&self.writes),
+            fsyncs: l(&self.fsyncs),
+            bytes: l(&self.bytes),
+            rolls: l(&self.rolls),
+            failures: l(&self.failures),
+        }
+    }
+}
+
+/// Test hook: which I/O step an injected fault hits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// The data write: `partial` bytes are really written, then ENOSPC.
+    Write { partial: usize },
+    /// The fdatasync after a write: EIO.
+    Sync,
+    /// Creating the next segment at a roll: ENOSPC.
+    Roll,
+}
+
+/// Wakes readers when the committed end of the channel moves.
+#[derive(Debug, Default)]
+pub struct CommitNotifier {
+    end: AtomicU64,
+    state: Mutex<NotifyState>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct NotifyState {
+    waiters: usize,
+    closed: bool,
+}
+
+impl CommitNotifier {
+    /// Global offset up to which records are committed and may be read.
+    pub fn committed_end(&self) -> u64 {
+        self.end.load(Ordering::Acquire)
+    }
+
+    fn publish(&self, end: u64) {
+        self.end.store(end, Ordering::Release);
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if st.waiters > 0 {
+            self.cv.notify_all();
+        }
+    }
+
+    fn close(&self) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.closed = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits until the committed end passes `pos`, the writer closes, or
+    /// `timeout` elapses; returns the committed end.
+    pub fn wait_past(&self, pos: u64, timeout: Duration) -> u64 {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if self.committed_end() <= pos && !st.closed {
+            st.waiters += 1;
+            let (mut g, _) = self
+                .cv
+                .wait_timeout_while(st, timeout, |s| {
+                    !s.closed && self.end.load(Ordering::Acquire) <= pos
+                })
+                .unwrap_or_else(|e| e.into_inner());
+            g.waiters -= 1;
+        }
+        self.committed_end()
+    }
+
+    /// Wakes every waiter without a new commit (used when stopping readers).
+    pub fn wake_all(&self) {
+        let _st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.cv.notify_all();
+    }
+}
+
+struct Active {
+    file: Arc<File>,
+    start: u64,
+    /// Committed length of the active segment.
+    len: u64,
+    /// A failed truncation left bytes past `len`; cut them before writing.
+    tainted: bool,
+}
+
+struct Outcome {
+    batch_start: u64,
+    /// Bytes of the batch, from its start, that were committed.
+    committed: usize,
+    error: Option<StorageError>,
+}
+
+#[derive(Default)]
+struct Slot {
+    outcome: OnceLock<Outcome>,
+}
+
+struct State {
+    pending: Vec<u8>,
+    /// (bytes, records) of each append call queued in `pending`.
+    groups: Vec<(usize, u64)>,
+    slot: Arc<Slot>,
+    spare: Vec<u8>,
+    spare_groups: Vec<(usize, u64)>,
+    flushing: bool,
+    closed: bool,
+    active: Option<Active>,
+    /// The active file, for the periodic fsync of relaxed mode.
+    sync_file: Arc<File>,
+}
+
+/// The one writer of one channel directory.
+pub struct ChannelWriter {
+    channel: String,
+    dir: PathBuf,
+    cfg: WriterConfig,
+    state: Mutex<State>,
+    done: Condvar,
+    notifier: CommitNotifier,
+    counters: WriterCounters,
+    unsynced: AtomicBool,
+    faults: Mutex<Vec<(FaultPoint, u32)>>,
+    has_faults: AtomicBool,
+}
+
+fn io_err(context: String, e: io::Error) -> StorageError {
+    StorageError::Io {
+        context,
+        source: Arc::new(e),
+    }
+}
+
+impl ChannelWriter {
+    /// Opens the writer of `dir` (creating it and its first segment if
+    /// needed) and recovers a torn tail: bytes after the last line feed of
+    /// the active segment are cut away, so the next append starts a new line.
+    pub fn open(channel: &str, dir: &Path, cfg: WriterConfig) -> Result<ChannelWriter, StorageError> {
+        let ctx = |what: &str| format!("channel {channel:?}: {what} in {}", dir.display());
+        segment::create_dir_all(dir).map_err(|e| io_err(ctx("cannot create directory"), e))?;
+        if let Some(parent) = dir.parent() {
+            segment::sync_dir(parent).map_err(|e| io_err(ctx("cannot sync parent directory"), e))?;
+        }
+        let segs = segment::list_segments(dir).map_err(|e| io_err(ctx("cannot list segments"), e))?;
+        let active = match segs.last() {
+            None => Active {
+                file: Arc::new(
+                    segment::create_segment(dir, 0)
+                        .map_err(|e| io_err(ctx("cannot create first segment"), e))?,
+                ),
+                start: 0,
+                len: 0,
+                tainted: false,
+            },
+            Some(&start) => {
+                let path = segment::segment_path(dir, start);
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&path)
+                    .map_err(|e| io_err(ctx("cannot open active segment"), e))?;
+                let size = file
+                    .metadata()
+                    .map_err(|e| io_err(ctx("cannot stat active segment"), e))?
+                    .len();
+                let good = segment::last_complete_len(&file, size)
+                    .map_err(|e| io_err(ctx("cannot scan active segment"), e))?;
+                if good < size {
+                    log::warn!(
+                        "channel {channel:?}: cut {} bytes of a torn trailing record from {}",
+                        size - good,
+                        path.display()
+                    );
+                    file.set_len(good)
+                        .and_then(|_| file.sync_all())
+                        .map_err(|e| io_err(ctx("cannot truncate torn tail"), e))?;
+                }
+                Active {
+                    file: Arc::new(file),
+                    start,
+                    len: good,
+                    tainted: false,
+                }
+            }
+        };
+        let notifier = CommitNotifier::default();
+        notifier.end.store(active.start + active.len, Ordering::Release);
+        Ok(ChannelWriter {
+            channel: channel.to_owned(),
+            dir: dir.to_owned(),
+            cfg,
+            state: Mutex::new(State {
+                pending: Vec::new(),
+                groups: Vec::new(),
+                slot: Arc::default(),
+                spare: Vec::new(),
+                spare_groups: Vec::new(),
+                flushing: false,
+                closed: false,
+                sync_file: active.file.clone(),
+                active: Some(active),
+            }),
+            done: Condvar::new(),
+            notifier,
+            counters: WriterCounters::default(),
+            unsynced: AtomicBool::new(false),
+            faults: Mutex::new(Vec::new()),
+            has_faults: AtomicBool::new(false),
+        })
+    }
+
+    /// The channel this writer appends to.
+    pub fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// The channel's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Readers wait on this for new commits.
+    pub fn notifier(&self) -> &CommitNotifier {
+        &self.notifier
+    }
+
+    /// Global offset up to which the channel is committed.
+    pub fn committed_end(&self) -> u64 {
+        self.notifier.committed_end()
+    }
+
+    /// Counters since open.
+    pub fn counters(&self) -> CounterSnapshot {
+        self.counters.snapshot()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Appends `records` (`count` whole newline-terminated records, from one
+    /// caller) and returns once they are committed. They are written
+    /// contiguously and never split across segments.
+    pub fn append(&self, records: &[u8], count: u64) -> Result<Appended, StorageError> {
+        debug_assert!(records.ends_with(b"\n"));
+        let mut st = self.lock();
+        if st.closed {
+            return Err(StorageError::Closed(self.channel.clone()));
+        }
+        let pos = st.pending.len();
+        st.pending.extend_from_slice(records);
+        st.groups.push((records.len(), count));
+        let slot = st.slot.clone();
+        loop {
+            if let Some(o) = slot.outcome.get() {
+                let end = pos + records.len();
+                return match &o.error {
+                    Some(e) if end > o.committed => Err(e.clone()),
+                    _ => Ok(Appended {
+                        offset: o.batch_start + pos as u64,
+                        end: o.batch_start + end as u64,
+                    }),
+                };
+            }
+            if st.flushing {
+                st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+            } else {
+                st = self.lead(st);
+            }
+        }
+    }
+
+    /// Runs one batch as leader: everything queued right now.
+    fn lead<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        let spare = std::mem::take(&mut st.spare);
+        let spare_groups = std::mem::take(&mut st.spare_groups);
+        let buf = std::mem::replace(&mut st.pending, spare);
+        let groups = std::mem::replace(&mut st.groups, spare_groups);
+        let slot = std::mem::take(&mut st.slot);
+        let mut active = st.active.take().expect("active segment present when not flushing");
+        st.flushing = true;
+        drop(st);
+
+        let batch_start = active.start + active.len;
+        let (committed, error) = self.flush(&mut active, &buf, &groups);
+        let mut records = 0;
+        let mut done_groups = 0;
+        let mut acc = 0;
+        for &(len, n) in &groups {
+            acc += len;
+            if acc > committed {
+                break;
+            }
+            records += n;
+            done_groups += 1;
+        }
+        let c = &self.counters;
+        c.batches.fetch_add(1, Ordering::Relaxed);
+        c.records.fetch_add(records, Ordering::Relaxed);
+        c.appends.fetch_add(done_groups, Ordering::Relaxed);
+        c.bytes.fetch_add(committed as u64, Ordering::Relaxed);
+        if error.is_some() {
+            c.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        if committed > 0 && !self.cfg.durable {
+            self.unsynced.store(true, Ordering::Release);
+        }
+        let end = active.start + active.len;
+
+        let mut st = self.lock();
+        st.sync_file = active.file.clone();
+        st.active = Some(active);
+        let (mut buf, mut groups) = (buf, groups);
+        buf.clear();
+        groups.clear();
+        // Keep a moderately sized buffer for reuse; drop huge ones.
+        if buf.capacity() <= 1 << 20 {
+            st.spare = buf;
+        }
+        st.spare_groups = groups;
+        st.flushing = false;
+        let _ = slot.outcome.set(Outcome {
+            batch_start,
+            committed,
+            error,
+        });
+        self.notifier.publish(end);
+        self.done.notify_all();
+        st
+    }
+
+    fn take_fault(&self, want: fn(&FaultPoint) -> bool) -> Option<FaultPoint> {
+        if !self.has_faults.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut faults = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        let i = faults.iter().position(|(p, _)| want(p))?;
+        let point = faults[i].0;
+        faults[i].1 -= 1;
+        if faults[i].1 == 0 {
+            faults.remove(i);
+        }
+        if faults.is_empty() {
+            self.has_faults.store(false, Ordering::Relaxed);
+        }
+        Some(point)
+    }
+
+    /// Test hook: make the next `count` I/O steps of kind `point` fail.
+    #[doc(hidden)]
+    pub fn inject_fault(&self, point: FaultPoint, count: u32) {
+        if count == 0 {
+            return;
+        }
+        self.faults
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((point, count));
+        self.has_faults.store(true, Ordering::Relaxed);
+    }
+
+    fn ctx(&self, what: &str) -> String {
+        format!("channel {:?}: {what}; not committed", self.channel)
+    }
+
+    /// Writes the batch, rolling segments between append groups. Returns how
+    /// many leading bytes were committed and the error that stopped the rest.
+    fn flush(
+        &self,
+        active: &mut Active,
+        buf: &[u8],
+        groups: &[(usize, u64)],
+    ) -> (usize, Option<StorageError>) {
+        if active.tainted {
+            if let Err(e) = self.truncate(active) {
+                return (0, Some(io_err(self.ctx("cannot cut back a failed write"), e)));
+            }
+        }
+        let limit = self.cfg.segment_bytes;
+        let mut run_start = 0;
+        let mut pos = 0;
+        for &(len, _) in groups {
+            let run = (pos - run_start) as u64;
+            if limit > 0 && active.len + run > 0 && active.len + run + len as u64 > limit {
+                if let Err(e) = self.commit_run(active, &buf[run_start..pos], self.cfg.durable) {
+                    return (run_start, Some(e));
+                }
+                // The run (if any) is committed in the segment being sealed.
+                if let Err(e) = self.roll(active) {
+                    return (pos, Some(e));
+                }
+                run_start = pos;
+            }
+            pos += len;
+        }
+        match self.commit_run(active, &buf[run_start..pos], self.cfg.durable) {
+            Ok(()) => (pos, None),
+            Err(e) => (run_start, Some(e)),
+        }
+    }
+
+    /// Writes `data` at the end of the active segment and optionally
+    /// fdatasyncs; on failure the segment is cut back to where it was.
+    fn commit_run(&self, active: &mut Active, data: &[u8], sync: bool) -> Result<(), StorageError> {
+        if !data.is_empty() {
+            let res = match self.take_fault(|p| matches!(p, FaultPoint::Write { .. })) {
+                Some(FaultPoint::Write { partial }) => {
+                    let n = partial.min(data.len());
+                    active
+                        .file
+                        .write_all_at(&data[..n], active.len)
+                        .and(Err(io::Error::from_raw_os_error(libc::ENOSPC)))
+                }
+                _ => active.file.write_all_at(data, active.len),
+            };
+            if let Err(e) = res {
+                active.tainted = true;
+                let _ = self.truncate(active);
+                return Err(io_err(self.ctx("write failed"), e));
+            }
+            self.counters.writes.fetch_add(1, Ordering::Relaxed);
+        }
+        if sync && !data.is_empty() {
+            if let Err(e) = self.sync(&active.file) {
+                active.tainted = true;
+                let _ = self.truncate(active);
+                return Err(io_err(self.ctx("fdatasync failed"), e));
+            }
+        }
+        active.len += data.len() as u64;
+        Ok(())
+    }
+
+    fn sync(&self, file: &File) -> io::Result<()> {
+        self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
+        if self.take_fault(|p| *p == FaultPoint::Sync).is_some() {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        file.sync_data()
+    }
+
+    /// Cuts the active segment back to its committed length.
+    fn truncate(&self, active: &mut Active) -> io::Result<()> {
+        active.file.set_len(active.len)?;
+        active.tainted = false;
+        Ok(())
+    }
+
+    /// Seals the active segment (already synced by the caller's run) and
+    /// starts the next one. On failure the old segment stays active.
+    fn roll(&self, active: &mut Active) -> Result<(), StorageError> {
+        if !self.cfg.durable {
+            // Relaxed mode: the sealed segment is still synced before it is left.
+            self.sync(&active.file)
+                .map_err(|e| io_err(self.ctx("fdatasync before segment roll failed"), e))?;
+        }
+        let next = active.start + active.len;
+        let created = if self.take_fault(|p| *p == FaultPoint::Roll).is_some() {
+            Err(io::Error::from_raw_os_error(libc::ENOSPC))
+        } else {
+            segment::create_segment(&self.dir, next)
+        };
+        let file = created.map_err(|e| io_err(self.ctx("cannot create the next segment"), e))?;
+        *active = Active {
+            file: Arc::new(file),
+            start: next,
+            len: 0,
+            tainted: false,
+        };
+        self.counters.rolls.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Relaxed mode: fdatasync the active segment if anything was written
+    /// since the last sync. Errors are logged, as nothing waits on them.
+    pub fn sync_if_dirty(&self) {
+        if !self.unsynced.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let file = self.lock().sync_file.clone();
+        if let Err(e) = self.sync(&file) {
+            self.unsynced.store(true, Ordering::Release);
+            log::error!("channel {:?}: periodic fdatasync failed: {e}", self.channel);
+        }
+    }
+
+    /// Stops accepting appends, waits for the batch in flight, and syncs.
+    /// Idempotent.
+    pub fn close(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        while st.flushing {
+            st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        // Appends queued behind a closed writer fail rather than hang.
+        if !st.pending.is_empty() {
+            let slot = std::mem::take(&mut st.slot);
+            st.pending.clear();
+            st.groups.clear();
+            let _ = slot.outcome.set(Outcome {
+                batch_start: 0,
+                committed: 0,
+                error: Some(StorageError::Closed(self.channel.clone())),
+            });
+            self.done.notify_all();
+        }
+        drop(st);
+        self.sync_if_dirty();
+        self.notifier.close();
+    }
+}
