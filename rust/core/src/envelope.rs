@@ -118,34 +118,45 @@ pub fn new_id() -> String {
 pub fn format_ts(t: SystemTime) -> String {
     let dt: DateTime<Utc> = t.into();
     let mut s = String::with_capacity(30);
-    let _ = write_ts(&mut s, &dt);
+    write_ts(&mut s, &dt);
     s
 }
 
-fn write_ts(out: &mut String, dt: &DateTime<Utc>) -> fmt::Result {
-    use fmt::Write as _;
-    write!(
-        out,
-        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}",
-        dt.year(),
-        dt.month(),
-        dt.day(),
-        dt.hour(),
-        dt.minute(),
-        dt.second()
-    )?;
+fn push_digits(out: &mut String, mut v: u32, width: usize) {
+    let mut buf = [b'0'; 10];
+    for slot in buf[..width].iter_mut().rev() {
+        *slot = b'0' + (v % 10) as u8;
+        v /= 10;
+    }
+    out.push_str(std::str::from_utf8(&buf[..width]).expect("ASCII digits"));
+}
+
+fn write_ts(out: &mut String, dt: &DateTime<Utc>) {
+    // Years outside 0..=9999 cannot occur for clock readings; clamp like Go's
+    // formatter would need to, rather than emit a malformed timestamp.
+    push_digits(out, dt.year().clamp(0, 9999) as u32, 4);
+    out.push('-');
+    push_digits(out, dt.month(), 2);
+    out.push('-');
+    push_digits(out, dt.day(), 2);
+    out.push('T');
+    push_digits(out, dt.hour(), 2);
+    out.push(':');
+    push_digits(out, dt.minute(), 2);
+    out.push(':');
+    push_digits(out, dt.second(), 2);
     // Leap-second nanos (>= 1e9) are folded into the last representable value.
-    let nanos = dt.nanosecond().min(999_999_999);
+    let mut nanos = dt.nanosecond().min(999_999_999);
     if nanos != 0 {
-        let mut digits = format!("{nanos:09}");
-        while digits.ends_with('0') {
-            digits.pop();
+        let mut width = 9;
+        while nanos % 10 == 0 {
+            nanos /= 10;
+            width -= 1;
         }
         out.push('.');
-        out.push_str(&digits);
+        push_digits(out, nanos, width);
     }
     out.push('Z');
-    Ok(())
 }
 
 /// Parses an RFC 3339 timestamp (any offset, 0-9 fraction digits) into

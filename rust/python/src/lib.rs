@@ -1,1 +1,298 @@
+//! `keyop_messenger._core`: the PyO3 face of keyop-core.
+//!
+//! Thin by design: argument conversion, GIL release around every blocking
+//! step, and error mapping (in `errors`). No engine logic lives here.
 
+mod errors;
+mod json;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use keyop_core::storage::{ChannelWriter, FaultPoint, Item, LogReader};
+use keyop_core::{Engine, Envelope, Outgoing, StoreConfig};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use errors::{new_err, IntoPyResult, Kind};
+
+/// A local messenger instance: a data directory and an instance name.
+#[pyclass(module = "keyop_messenger._core", name = "Engine", frozen)]
+struct PyEngine {
+    engine: Engine,
+}
+
+/// One message read from a channel, as a plain tuple:
+/// `(offset, segment, id, ts_nanos, channel, origin, payload_type,
+///   service_name, correlation_id, payload_json)`.
+type Row = (
+    u64,
+    u64,
+    String,
+    i64,
+    String,
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    String,
+);
+
+fn encode_payload(
+    payload: &Bound<'_, PyAny>,
+    default: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Vec<u8>> {
+    let mut out = Vec::with_capacity(128);
+    json::write_json(payload, &mut out, default, 0)?;
+    Ok(out)
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (data_dir, name, *, sync_interval_ms = 0, segment_bytes = 0))]
+    fn new(
+        py: Python<'_>,
+        data_dir: PathBuf,
+        name: &str,
+        sync_interval_ms: u64,
+        segment_bytes: u64,
+    ) -> PyResult<Self> {
+        let cfg = StoreConfig {
+            data_dir,
+            sync_interval_ms,
+            segment_bytes,
+        };
+        let engine = py.detach(|| Engine::open(cfg, name)).py_err(py)?;
+        Ok(PyEngine { engine })
+    }
+
+    /// The instance name written as `origin`.
+    #[getter]
+    fn name(&self) -> &str {
+        self.engine.origin()
+    }
+
+    /// Publishes one message; returns its id once it is committed.
+    #[pyo3(signature = (channel, payload_type, payload, service_name = None, correlation_id = None, default = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+        payload_type: &str,
+        payload: &Bound<'_, PyAny>,
+        service_name: Option<&str>,
+        correlation_id: Option<&str>,
+        default: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<String> {
+        let json = encode_payload(payload, default)?;
+        let msg = Outgoing {
+            payload_type,
+            payload_json: &json,
+            service_name,
+            correlation_id,
+        };
+        let published = py.detach(|| self.engine.publish(channel, &msg)).py_err(py)?;
+        Ok(published.id)
+    }
+
+    /// Publishes `(payload_type, payload)` pairs with one write and one
+    /// fsync, all or none; returns their ids in order.
+    #[pyo3(signature = (channel, items, service_name = None, correlation_id = None, default = None))]
+    fn publish_batch(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+        items: &Bound<'_, PyAny>,
+        service_name: Option<&str>,
+        correlation_id: Option<&str>,
+        default: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<String>> {
+        let mut encoded: Vec<(String, Vec<u8>)> = Vec::new();
+        for item in items.try_iter()? {
+            let item = item?;
+            let pair = item.cast::<PyTuple>().map_err(|_| {
+                new_err(
+                    py,
+                    Kind::PayloadType,
+                    "publish_batch items must be (payload_type, payload) tuples".into(),
+                )
+            })?;
+            if pair.len() != 2 {
+                return Err(new_err(
+                    py,
+                    Kind::PayloadType,
+                    format!("publish_batch items must be 2-tuples, got {} elements", pair.len()),
+                ));
+            }
+            let payload_type: String = pair.get_item(0)?.extract()?;
+            let json = encode_payload(&pair.get_item(1)?, default)?;
+            encoded.push((payload_type, json));
+        }
+        let msgs: Vec<Outgoing<'_>> = encoded
+            .iter()
+            .map(|(t, j)| Outgoing {
+                payload_type: t,
+                payload_json: j,
+                service_name,
+                correlation_id,
+            })
+            .collect();
+        let published = py
+            .detach(|| self.engine.publish_batch(channel, &msgs))
+            .py_err(py)?;
+        Ok(published.into_iter().map(|p| p.id).collect())
+    }
+
+    /// Committed end (global byte offset) of `channel`.
+    fn stream_end(&self, py: Python<'_>, channel: &str) -> PyResult<u64> {
+        let (_, writer) = py.detach(|| self.engine.reader(channel, 0)).py_err(py)?;
+        Ok(writer.committed_end())
+    }
+
+    /// Reads committed records of `channel` from `start_offset`.
+    #[pyo3(signature = (channel, start_offset = 0))]
+    fn read(&self, py: Python<'_>, channel: &str, start_offset: u64) -> PyResult<RecordIter> {
+        let (reader, writer) = py
+            .detach(|| self.engine.reader(channel, start_offset))
+            .py_err(py)?;
+        Ok(RecordIter {
+            reader,
+            writer: Some(writer),
+        })
+    }
+
+    /// Writer counters of `channel` (records, appends, batches, writes,
+    /// fsyncs, bytes, rolls, failures).
+    fn _counters<'py>(&self, py: Python<'py>, channel: &str) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.writer(py, channel)?.counters();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("records", c.records),
+            ("appends", c.appends),
+            ("batches", c.batches),
+            ("writes", c.writes),
+            ("fsyncs", c.fsyncs),
+            ("bytes", c.bytes),
+            ("rolls", c.rolls),
+            ("failures", c.failures),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Test hook: fail the next `count` I/O steps of `kind` ("write",
+    /// "sync" or "roll") on `channel`; a failing write first writes
+    /// `partial` bytes.
+    #[pyo3(signature = (channel, kind, count = 1, partial = 0))]
+    fn _inject_fault(&self, py: Python<'_>, channel: &str, kind: &str, count: u32, partial: usize) -> PyResult<()> {
+        let point = match kind {
+            "write" => FaultPoint::Write { partial },
+            "sync" => FaultPoint::Sync,
+            "roll" => FaultPoint::Roll,
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "unknown fault kind {other:?}; use 'write', 'sync' or 'roll'"
+                )))
+            }
+        };
+        self.writer(py, channel)?.inject_fault(point, count);
+        Ok(())
+    }
+
+    /// Flushes and closes every channel. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.engine.close());
+    }
+}
+
+impl PyEngine {
+    fn writer(&self, py: Python<'_>, channel: &str) -> PyResult<Arc<ChannelWriter>> {
+        py.detach(|| self.engine.publish_writer(channel)).py_err(py)
+    }
+}
+
+/// Iterator over the readable records of a channel (see `Row`). Lines that
+/// are not valid envelopes are skipped with a warning, as 1.4 readers do.
+#[pyclass(module = "keyop_messenger._core")]
+struct RecordIter {
+    reader: LogReader,
+    /// Limits reads to committed records when the channel is open for writing.
+    writer: Option<Arc<ChannelWriter>>,
+}
+
+#[pymethods]
+impl RecordIter {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Row>> {
+        let limit = self.writer.as_ref().map_or(u64::MAX, |w| w.committed_end());
+        let reader = &mut self.reader;
+        py.detach(|| -> std::io::Result<Option<Row>> {
+            loop {
+                let Some(item) = reader.next_item(limit)? else {
+                    return Ok(None);
+                };
+                let Item::Record { offset, segment, line } = item else {
+                    continue;
+                };
+                match Envelope::decode(&line) {
+                    Ok(e) => {
+                        return Ok(Some((
+                            offset,
+                            segment,
+                            e.id,
+                            e.ts_nanos,
+                            e.channel,
+                            e.origin,
+                            e.payload_type,
+                            e.service_name,
+                            e.correlation_id,
+                            e.payload.get().to_owned(),
+                        )))
+                    }
+                    Err(err) => log::warn!(
+                        "{}: skipped unreadable record at offset {offset}: {err}",
+                        reader.dir().display()
+                    ),
+                }
+            }
+        })
+        .map_err(|e| {
+            new_err(
+                py,
+                Kind::Storage,
+                format!("cannot read {}: {e}", self.reader.dir().display()),
+            )
+        })
+    }
+
+    /// Global offset of the next record.
+    #[getter]
+    fn position(&self) -> u64 {
+        self.reader.position()
+    }
+}
+
+/// Reads records of `channel` in any data directory (also one written by
+/// keyop-messenger 1.4, or in use by another process) from `start_offset`.
+#[pyfunction]
+#[pyo3(signature = (data_dir, channel, start_offset = 0))]
+fn read_channel(py: Python<'_>, data_dir: PathBuf, channel: &str, start_offset: u64) -> PyResult<RecordIter> {
+    let reader = keyop_core::read_channel(&data_dir, channel, start_offset).py_err(py)?;
+    Ok(RecordIter { reader, writer: None })
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEngine>()?;
+    m.add_class::<RecordIter>()?;
+    m.add_function(wrap_pyfunction!(read_channel, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("MAX_RECORD_BYTES", keyop_core::envelope::MAX_RECORD_BYTES)?;
+    Ok(())
+}

@@ -78,7 +78,8 @@ struct Shared {
 pub struct Store {
     shared: Arc<Shared>,
     syncer: Mutex<Option<JoinHandle<()>>>,
-    _lock: File,
+    /// Held (flock) while open; released by close.
+    lock: Mutex<Option<File>>,
 }
 
 fn io_err(context: String) -> impl FnOnce(io::Error) -> StorageError {
@@ -133,7 +134,7 @@ impl Store {
         Ok(Store {
             shared,
             syncer: Mutex::new(syncer),
-            _lock: lock,
+            lock: Mutex::new(Some(lock)),
         })
     }
 
@@ -173,7 +174,8 @@ impl Store {
         writers.values().cloned().collect()
     }
 
-    /// Closes every writer (each syncs) and stops the fsync timer. Idempotent.
+    /// Closes every writer (each syncs), stops the fsync timer and releases
+    /// the data directory lock. Idempotent.
     pub fn close(&self) {
         *self.shared.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
         self.shared.stop_cv.notify_all();
@@ -183,6 +185,7 @@ impl Store {
         for w in self.writers() {
             w.close();
         }
+        self.lock.lock().unwrap_or_else(|e| e.into_inner()).take();
     }
 }
 

@@ -185,6 +185,8 @@ struct State {
     spare_groups: Vec<(usize, u64)>,
     flushing: bool,
     closed: bool,
+    /// Callers blocked on `done` (so a lone publisher skips the wake-up call).
+    waiters: usize,
     active: Option<Active>,
     /// The active file, for the periodic fsync of relaxed mode.
     sync_file: Arc<File>,
@@ -277,6 +279,7 @@ impl ChannelWriter {
                 spare_groups: Vec::new(),
                 flushing: false,
                 closed: false,
+                waiters: 0,
                 sync_file: active.file.clone(),
                 active: Some(active),
             }),
@@ -343,7 +346,9 @@ impl ChannelWriter {
                 };
             }
             if st.flushing {
+                st.waiters += 1;
                 st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+                st.waiters -= 1;
             } else {
                 st = self.lead(st);
             }
@@ -405,7 +410,9 @@ impl ChannelWriter {
             error,
         });
         self.notifier.publish(end);
-        self.done.notify_all();
+        if st.waiters > 0 {
+            self.done.notify_all();
+        }
         st
     }
 
@@ -570,7 +577,9 @@ impl ChannelWriter {
         let mut st = self.lock();
         st.closed = true;
         while st.flushing {
+            st.waiters += 1;
             st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.waiters -= 1;
         }
         // Appends queued behind a closed writer fail rather than hang.
         if !st.pending.is_empty() {

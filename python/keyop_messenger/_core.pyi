@@ -1,0 +1,58 @@
+"""Type stubs of the compiled engine module (kept in step with rust/python/src/lib.rs)."""
+
+from collections.abc import Callable, Iterable
+from os import PathLike
+from typing import Any, final
+
+__all__ = ["MAX_RECORD_BYTES", "Engine", "RecordIter", "__version__", "read_channel"]
+
+__version__: str
+MAX_RECORD_BYTES: int
+
+_Row = tuple[int, int, str, int, str, str, str, str | None, str | None, str]
+
+@final
+class Engine:
+    def __new__(
+        cls,
+        data_dir: str | PathLike[str],
+        name: str,
+        *,
+        sync_interval_ms: int = 0,
+        segment_bytes: int = 0,
+    ) -> Engine: ...
+    @property
+    def name(self) -> str: ...
+    def publish(
+        self,
+        channel: str,
+        payload_type: str,
+        payload: Any,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+        default: Callable[[Any], Any] | None = None,
+    ) -> str: ...
+    def publish_batch(
+        self,
+        channel: str,
+        items: Iterable[tuple[str, Any]],
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+        default: Callable[[Any], Any] | None = None,
+    ) -> list[str]: ...
+    def stream_end(self, channel: str) -> int: ...
+    def read(self, channel: str, start_offset: int = 0) -> RecordIter: ...
+    def _counters(self, channel: str) -> dict[str, int]: ...
+    def _inject_fault(self, channel: str, kind: str, count: int = 1, partial: int = 0) -> None: ...
+    def close(self) -> None: ...
+
+@final
+class RecordIter:
+    def __iter__(self) -> RecordIter: ...
+    def __next__(self) -> _Row: ...
+    @property
+    def position(self) -> int: ...
+
+def read_channel(
+    data_dir: str | PathLike[str], channel: str, start_offset: int = 0
+) -> RecordIter: ...

@@ -1,0 +1,143 @@
+"""Payload type registry: which Python type a ``payload_type`` string means.
+
+Publishing turns a payload into plain JSON data; delivery turns the JSON back
+into the registered type. Supported registered types are dataclasses,
+pydantic models (when pydantic is installed) and ``dict``/``TypedDict``
+classes. Payloads of unregistered types are published as given (any JSON
+value) and delivered as plain JSON data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import decimal
+import enum
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, is_typeddict
+
+from .errors import PayloadTypeError
+
+__all__ = ["PayloadRegistry", "to_plain"]
+
+
+def _is_pydantic_model(cls: type) -> bool:
+    return callable(getattr(cls, "model_validate", None)) and callable(
+        getattr(cls, "model_dump", None)
+    )
+
+
+def to_plain(value: Any) -> Any:
+    """Turns one non-JSON value into JSON-ready data, one level deep.
+
+    Used by the engine's JSON encoder for any value that is not ``None``,
+    ``bool``, ``int``, ``float``, ``str``, ``dict``, ``list`` or ``tuple``;
+    the encoder recurses into the result.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if _is_pydantic_model(type(value)):
+        return value.model_dump(mode="json")
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, (uuid.UUID, decimal.Decimal)):
+        return str(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    raise PayloadTypeError(f"{type(value).__name__} values cannot be encoded as JSON")
+
+
+class _Entry:
+    __slots__ = ("cls", "decode", "check")
+
+    def __init__(
+        self, cls: type, check: Callable[[Any], bool], decode: Callable[[Any], Any]
+    ) -> None:
+        self.cls = cls
+        self.check = check
+        self.decode = decode
+
+
+class PayloadRegistry:
+    """Maps payload type names to Python types; one per messenger."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, cls: type) -> None:
+        """Registers ``cls`` for payload type ``name``.
+
+        Raises :class:`PayloadTypeError` if ``name`` is empty or already
+        registered, or if ``cls`` is not a dataclass, a pydantic model, or a
+        ``dict``/``TypedDict`` class.
+        """
+        if not isinstance(name, str) or not name:
+            raise PayloadTypeError("payload type name must be a non-empty string")
+        if not isinstance(cls, type):
+            raise PayloadTypeError(f"payload type {name!r}: expected a class, got {cls!r}")
+        entry = self._entry_for(name, cls)
+        with self._lock:
+            if name in self._entries:
+                raise PayloadTypeError(f"payload type {name!r} is already registered")
+            self._entries[name] = entry
+
+    @staticmethod
+    def _entry_for(name: str, cls: type) -> _Entry:
+        if dataclasses.is_dataclass(cls):
+            return _Entry(cls, lambda p: isinstance(p, cls), lambda d: _build_dataclass(cls, d))
+        if _is_pydantic_model(cls):
+            return _Entry(cls, lambda p: isinstance(p, cls), cls.model_validate)
+        if is_typeddict(cls) or (isinstance(cls, type) and issubclass(cls, dict)):
+            return _Entry(cls, lambda p: isinstance(p, Mapping), _require_mapping)
+        raise PayloadTypeError(
+            f"payload type {name!r}: {cls.__name__} is not a dataclass, pydantic model, "
+            "dict or TypedDict"
+        )
+
+    def registered(self, name: str) -> type | None:
+        """The class registered for ``name``, if any."""
+        entry = self._entries.get(name)
+        return entry.cls if entry else None
+
+    def check(self, name: str, payload: Any) -> None:
+        """Raises :class:`PayloadTypeError` if ``payload`` does not match the
+        type registered for ``name``. Unregistered names accept any payload."""
+        entry = self._entries.get(name)
+        if entry is not None and not entry.check(payload):
+            raise PayloadTypeError(
+                f"payload for type {name!r} must be {entry.cls.__name__}, "
+                f"got {type(payload).__name__}"
+            )
+
+    def decode(self, name: str, data: Any) -> Any:
+        """Turns decoded JSON ``data`` into the type registered for ``name``
+        (plain data when unregistered). Raises :class:`PayloadTypeError` when
+        the data does not fit the registered type."""
+        entry = self._entries.get(name)
+        if entry is None:
+            return data
+        try:
+            return entry.decode(data)
+        except Exception as exc:  # any constructor/validation failure
+            raise PayloadTypeError(
+                f"payload of type {name!r} does not decode into {entry.cls.__name__}: {exc}"
+            ) from exc
+
+
+def _require_mapping(data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _build_dataclass(cls: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+    return cls(**data)

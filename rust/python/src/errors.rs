@@ -1,0 +1,80 @@
+//! The one place engine errors become Python exceptions.
+//!
+//! The exception classes live in `keyop_messenger.errors` (plain Python
+//! classes, so the pure-Python layer raises the same types); they are looked
+//! up once and cached.
+
+use keyop_core::Error;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
+
+/// The exception classes this module raises.
+#[derive(Clone, Copy)]
+pub enum Kind {
+    InvalidName,
+    PayloadType,
+    MessageTooLarge,
+    Storage,
+    Closed,
+    Config,
+}
+
+impl Kind {
+    fn class_name(self) -> &'static str {
+        match self {
+            Kind::InvalidName => "InvalidNameError",
+            Kind::PayloadType => "PayloadTypeError",
+            Kind::MessageTooLarge => "MessageTooLargeError",
+            Kind::Storage => "StorageError",
+            Kind::Closed => "ClosedError",
+            Kind::Config => "ConfigError",
+        }
+    }
+}
+
+static CLASSES: [PyOnceLock<Py<PyType>>; 6] = [
+    PyOnceLock::new(),
+    PyOnceLock::new(),
+    PyOnceLock::new(),
+    PyOnceLock::new(),
+    PyOnceLock::new(),
+    PyOnceLock::new(),
+];
+
+/// A Python exception of `kind` with `msg`.
+pub fn new_err(py: Python<'_>, kind: Kind, msg: String) -> PyErr {
+    let cell = &CLASSES[kind as usize];
+    let class = cell.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        let module = py.import("keyop_messenger.errors")?;
+        Ok(module.getattr(kind.class_name())?.cast_into::<PyType>()?.unbind())
+    });
+    match class {
+        Ok(cls) => PyErr::from_type(cls.bind(py).clone(), (msg,)),
+        Err(e) => PyRuntimeError::new_err(format!("{msg} (and keyop_messenger.errors failed to load: {e})")),
+    }
+}
+
+/// Maps an engine error onto its exception class.
+pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    let kind = match &e {
+        Error::InvalidName(_) => Kind::InvalidName,
+        Error::TooLarge { .. } => Kind::MessageTooLarge,
+        Error::Closed(_) => Kind::Closed,
+        Error::Config(_) => Kind::Config,
+        Error::Storage(_) => Kind::Storage,
+    };
+    new_err(py, kind, e.to_string())
+}
+
+/// `Result<T, Error>` into `PyResult<T>` with [`to_py`].
+pub trait IntoPyResult<T> {
+    fn py_err(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> IntoPyResult<T> for Result<T, Error> {
+    fn py_err(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_py(py, e))
+    }
+}

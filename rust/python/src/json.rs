@@ -1,0 +1,107 @@
+//! Python values to compact JSON, written straight into the record buffer.
+//!
+//! Handles `None`, `bool`, `int`, `float`, `str`, `dict` (str keys), `list`
+//! and `tuple` natively; anything else is passed to the `default` callable
+//! (as `json.dumps` does) and its result encoded instead.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+
+use crate::errors::{new_err, Kind};
+
+const MAX_DEPTH: u32 = 200;
+
+fn type_err(py: Python<'_>, msg: String) -> PyErr {
+    new_err(py, Kind::PayloadType, msg)
+}
+
+fn push_str(out: &mut Vec<u8>, s: &str) {
+    serde_json::to_writer(&mut *out, s).expect("string serialisation into a Vec");
+}
+
+/// Appends the JSON encoding of `obj` to `out`.
+pub fn write_json(
+    obj: &Bound<'_, PyAny>,
+    out: &mut Vec<u8>,
+    default: Option<&Bound<'_, PyAny>>,
+    depth: u32,
+) -> PyResult<()> {
+    let py = obj.py();
+    if depth > MAX_DEPTH {
+        return Err(type_err(
+            py,
+            format!("payload is nested deeper than {MAX_DEPTH} levels (or contains a cycle)"),
+        ));
+    }
+    if obj.is_none() {
+        out.extend_from_slice(b"null");
+    } else if let Ok(s) = obj.cast::<PyString>() {
+        push_str(out, &s.to_str()?);
+    } else if let Ok(b) = obj.cast::<PyBool>() {
+        out.extend_from_slice(if b.is_true() { b"true" } else { b"false" });
+    } else if let Ok(i) = obj.cast::<PyInt>() {
+        if let Ok(v) = i.extract::<i64>() {
+            out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+        } else {
+            // Arbitrary-precision integers keep all their digits.
+            out.extend_from_slice(i.str()?.to_str()?.as_bytes());
+        }
+    } else if let Ok(f) = obj.cast::<PyFloat>() {
+        let v = f.value();
+        if !v.is_finite() {
+            return Err(type_err(py, format!("payload contains {v}, which JSON cannot represent")));
+        }
+        serde_json::to_writer(&mut *out, &v).expect("finite float serialisation");
+    } else if let Ok(d) = obj.cast::<PyDict>() {
+        out.push(b'{');
+        for (n, (k, v)) in d.iter().enumerate() {
+            if n > 0 {
+                out.push(b',');
+            }
+            let key = k.cast::<PyString>().map_err(|_| {
+                type_err(
+                    py,
+                    format!(
+                        "payload dict keys must be str, got {}",
+                        k.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                    ),
+                )
+            })?;
+            push_str(out, &key.to_str()?);
+            out.push(b':');
+            write_json(&v, out, default, depth + 1)?;
+        }
+        out.push(b'}');
+    } else if let Ok(l) = obj.cast::<PyList>() {
+        write_seq(l.iter(), out, default, depth)?;
+    } else if let Ok(t) = obj.cast::<PyTuple>() {
+        write_seq(t.iter(), out, default, depth)?;
+    } else if let Some(f) = default {
+        let plain = f.call1((obj,))?;
+        if plain.is(obj) {
+            return Err(type_err(py, "payload default function returned its input".into()));
+        }
+        write_json(&plain, out, default, depth + 1)?;
+    } else {
+        let name = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        return Err(type_err(py, format!("{name} values cannot be encoded as JSON")));
+    }
+    Ok(())
+}
+
+fn write_seq<'py>(
+    items: impl Iterator<Item = Bound<'py, PyAny>>,
+    out: &mut Vec<u8>,
+    default: Option<&Bound<'py, PyAny>>,
+    depth: u32,
+) -> PyResult<()> {
+    out.push(b'[');
+    for (n, item) in items.enumerate() {
+        if n > 0 {
+            out.push(b',');
+        }
+        write_json(&item, out, default, depth + 1)?;
+    }
+    out.push(b']');
+    Ok(())
+}
