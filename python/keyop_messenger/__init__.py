@@ -24,9 +24,11 @@ from .errors import (
     MessageTooLargeError,
     PayloadTypeError,
     StorageError,
+    SubscriptionError,
 )
 from .message import LogEntry, Message
 from .messenger import Messenger, read_channel
+from .subscription import Subscription
 
 __all__ = [
     "AllowedPeer",
@@ -49,6 +51,8 @@ __all__ = [
     "StorageConfig",
     "StorageError",
     "SubscribersConfig",
+    "Subscription",
+    "SubscriptionError",
     "TLSConfig",
     "__version__",
     "context",

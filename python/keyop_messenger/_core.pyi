@@ -4,12 +4,20 @@ from collections.abc import Callable, Iterable
 from os import PathLike
 from typing import Any, final
 
-__all__ = ["MAX_RECORD_BYTES", "Engine", "RecordIter", "__version__", "read_channel"]
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "Engine",
+    "RecordIter",
+    "Subscription",
+    "__version__",
+    "read_channel",
+]
 
 __version__: str
 MAX_RECORD_BYTES: int
 
 _Row = tuple[int, int, str, int, str, str, str, str | None, str | None, str]
+_DeliveryRow = tuple[int, str, int, str, str, str, str | None, str | None, str]
 
 @final
 class Engine:
@@ -42,6 +50,24 @@ class Engine:
     ) -> list[str]: ...
     def stream_end(self, channel: str) -> int: ...
     def read(self, channel: str, start_offset: int = 0) -> RecordIter: ...
+    def subscribe(
+        self,
+        channel: str,
+        subscriber_id: str,
+        deliver: Callable[[list[_DeliveryRow]], tuple[int, tuple[bool, str] | None]],
+        *,
+        max_retries: int = 5,
+        offset_flush_interval_ms: int = 0,
+        backoff_base_ms: int = 100,
+        backoff_max_ms: int = 5000,
+    ) -> Subscription: ...
+    def unsubscribe(self, channel: str, subscriber_id: str) -> None: ...
+    def start_retention(
+        self, interval_ms: int, max_lag_bytes: int | None = None, offset_ttl_ms: int | None = None
+    ) -> None: ...
+    def compact(
+        self, max_lag_bytes: int | None = None, offset_ttl_ms: int | None = None
+    ) -> dict[str, tuple[int, int, list[str]]]: ...
     def _counters(self, channel: str) -> dict[str, int]: ...
     def _inject_fault(self, channel: str, kind: str, count: int = 1, partial: int = 0) -> None: ...
     def close(self) -> None: ...
@@ -52,6 +78,16 @@ class RecordIter:
     def __next__(self) -> _Row: ...
     @property
     def position(self) -> int: ...
+
+@final
+class Subscription:
+    @property
+    def channel(self) -> str: ...
+    @property
+    def subscriber_id(self) -> str: ...
+    @property
+    def position(self) -> int: ...
+    def close(self) -> None: ...
 
 def read_channel(
     data_dir: str | PathLike[str], channel: str, start_offset: int = 0

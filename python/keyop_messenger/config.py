@@ -227,9 +227,14 @@ class SubscribersConfig:
         max_retries: Retries after the first failed handler call before the message is
             dead-lettered; YAML ``null`` or absent means 5, an explicit 0 dead-letters
             after the first failure (must be >= 0).
+        offset_ttl: New in this implementation (not a 1.4 key): offset files of
+            subscribers that have not subscribed in this process and whose file is
+            older than this are removed by the retention pass (logged), so they stop
+            holding back segment deletion. Zero or negative (default) keeps them forever.
     """
 
     max_retries: int = 5
+    offset_ttl: datetime.timedelta = datetime.timedelta(0)
 
 
 @dataclass

@@ -15,6 +15,7 @@ __all__ = [
     "MessageTooLargeError",
     "StorageError",
     "ClosedError",
+    "SubscriptionError",
 ]
 
 
@@ -58,3 +59,7 @@ class StorageError(KeyopError, OSError):
 
 class ClosedError(KeyopError, RuntimeError):
     """The messenger (or subscription) has been closed."""
+
+
+class SubscriptionError(KeyopError, RuntimeError):
+    """A subscriber id is already subscribed, or an unsubscribed id does not exist."""

@@ -47,14 +47,28 @@ class LogEntry:
     message: Message
 
 
+def message_from_parts(
+    id_: str,
+    ts_nanos: int,
+    channel: str,
+    origin: str,
+    payload_type: str,
+    service_name: str | None,
+    correlation_id: str | None,
+    payload_json: str,
+    registry: PayloadRegistry | None,
+) -> Message:
+    """Builds a :class:`Message` from the engine's envelope fields; the payload
+    is decoded with ``registry`` (raises ``PayloadTypeError`` if it does not fit)."""
+    data = json.loads(payload_json)
+    payload = registry.decode(payload_type, data) if registry is not None else data
+    timestamp = _EPOCH + datetime.timedelta(microseconds=ts_nanos // 1000)
+    return Message(
+        id_, channel, origin, payload_type, payload, timestamp, service_name, correlation_id
+    )
+
+
 def entry_from_row(row: tuple[Any, ...], registry: PayloadRegistry | None) -> LogEntry:
     """Builds a :class:`LogEntry` from a row of ``_core.RecordIter``."""
-    (offset, segment, id_, ts_nanos, channel, origin, ptype, service, corr, payload_json) = row
-    data = json.loads(payload_json)
-    payload = registry.decode(ptype, data) if registry is not None else data
-    timestamp = _EPOCH + datetime.timedelta(microseconds=ts_nanos // 1000)
-    return LogEntry(
-        offset,
-        segment,
-        Message(id_, channel, origin, ptype, payload, timestamp, service, corr),
-    )
+    offset, segment, *fields = row
+    return LogEntry(offset, segment, message_from_parts(*fields, registry))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
@@ -13,10 +15,23 @@ from .config import Config, load_config
 from .context import current_context
 from .message import LogEntry, entry_from_row
 from .payloads import PayloadRegistry, to_plain
+from .subscription import Handler, Subscription, make_deliver
 
 __all__ = ["Messenger", "read_channel"]
 
 _MIB = 1024 * 1024
+#: Seconds between retention passes (as in keyop-messenger 1.4).
+RETENTION_INTERVAL_S = 30.0
+
+# Messengers still open at interpreter exit are closed first, so engine
+# threads never call into a finalising interpreter.
+_OPEN: weakref.WeakSet[Messenger] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for m in list(_OPEN):
+        m.close()
 
 
 class Messenger:
@@ -43,6 +58,16 @@ class Messenger:
             sync_interval_ms=storage.sync_interval_ms,
             segment_bytes=max(storage.compaction_threshold_mb, 0) * _MIB,
         )
+        self._engine.start_retention(int(RETENTION_INTERVAL_S * 1000), **self._retention())
+        _OPEN.add(self)
+
+    def _retention(self) -> dict[str, int | None]:
+        lag_mb = self._config.storage.max_subscriber_lag_mb
+        ttl = self._config.subscribers.offset_ttl
+        return {
+            "max_lag_bytes": lag_mb * _MIB if lag_mb > 0 else None,
+            "offset_ttl_ms": int(ttl.total_seconds() * 1000) if ttl.total_seconds() > 0 else None,
+        }
 
     @property
     def config(self) -> Config:
@@ -107,6 +132,43 @@ class Messenger:
         service, corr = self._meta(service_name, correlation_id)
         return self._engine.publish_batch(channel, pairs, service, corr, to_plain)
 
+    def subscribe(self, channel: str, subscriber_id: str, handler: Handler) -> Subscription:
+        """Delivers ``channel`` to ``handler`` as subscriber ``subscriber_id``.
+
+        A new id starts at the current end of the channel; a known id resumes
+        from its offset file (also after a crash). ``handler`` runs on an
+        engine thread and receives a :class:`Message`; returning acknowledges,
+        raising retries with backoff (100 ms doubling to 5 s) up to
+        ``subscribers.max_retries`` times, then the message goes to
+        ``<channel>.dead-letter``. A payload that does not decode into its
+        registered type is dead-lettered at once; unregistered types arrive as
+        plain JSON data. Raises :class:`InvalidNameError` for bad names (ids
+        starting with ``fed-`` are reserved) and :class:`SubscriptionError` if
+        the id is already subscribed to the channel.
+        """
+        deliver = make_deliver(handler, self._registry, channel, subscriber_id)
+        core = self._engine.subscribe(
+            channel,
+            subscriber_id,
+            deliver,
+            max_retries=self._config.subscribers.max_retries,
+            offset_flush_interval_ms=self._config.storage.offset_flush_interval_ms,
+        )
+        return Subscription(core)
+
+    def unsubscribe(self, channel: str, subscriber_id: str) -> None:
+        """Stops ``subscriber_id`` (if running) and deletes its offset file, so
+        subscribing again starts at the end. Raises :class:`SubscriptionError`
+        if the subscriber does not exist."""
+        self._engine.unsubscribe(channel, subscriber_id)
+
+    def compact(self) -> dict[str, tuple[int, int, list[str]]]:
+        """Runs a retention pass now (it also runs every 30 s): deletes sealed
+        segments that every subscriber's offset file has passed. Returns, per
+        channel where something happened, ``(segments_deleted, bytes_freed,
+        removed_offset_ids)``."""
+        return self._engine.compact(**self._retention())
+
     def read_channel(self, channel: str, *, start_offset: int = 0) -> Iterator[LogEntry]:
         """Iterates the committed messages of ``channel`` from ``start_offset``
         (a global byte offset), decoding payloads with the registered types."""
@@ -123,11 +185,13 @@ class Messenger:
         return self._closed
 
     def close(self) -> None:
-        """Flushes and closes every channel. Idempotent."""
+        """Stops every subscription (each persists its offset), then flushes
+        and closes every channel. Idempotent; safe to call from a handler."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        _OPEN.discard(self)
         self._engine.close()
 
     def __enter__(self) -> Messenger:

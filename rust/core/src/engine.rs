@@ -1,15 +1,20 @@
 //! The messenger engine: a data directory plus an instance name, publishing
 //! envelopes through the channel writers.
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::SystemTime;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime};
 
 use crate::envelope::{
     self, encode_record, format_ts, new_id, validate_name, Header, NameKind, MAX_RECORD_BYTES,
 };
-use crate::storage::{ChannelWriter, LogReader, Store, StoreConfig};
+use crate::storage::compaction::{self, CompactionReport, RetentionConfig};
+use crate::storage::offsets::{offset_path, subscribers_dir};
+use crate::storage::{ChannelWriter, LogReader, StorageError, Store, StoreConfig};
+use crate::subscribe::{Handler, Stop, SubscribeOptions, Subscriber};
 use crate::Error;
 
 /// One message to publish; the payload is already compact JSON.
@@ -33,6 +38,19 @@ pub struct Engine {
     store: Store,
     origin: String,
     closed: AtomicBool,
+    subscribers: Mutex<HashMap<(String, String), Arc<Subscriber>>>,
+    retention: Mutex<Option<(Arc<Stop>, JoinHandle<()>)>>,
+}
+
+type SubscriberKey = (String, String);
+
+fn io_error(context: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |e| {
+        Error::Storage(StorageError::Io {
+            context,
+            source: Arc::new(e),
+        })
+    }
 }
 
 impl Engine {
@@ -45,6 +63,8 @@ impl Engine {
             store: Store::open(cfg)?,
             origin: origin.to_owned(),
             closed: AtomicBool::new(false),
+            subscribers: Mutex::new(HashMap::new()),
+            retention: Mutex::new(None),
         })
     }
 
@@ -75,7 +95,12 @@ impl Engine {
 
     /// Appends one message envelope to `out` and returns its id; refuses
     /// records over the size limit.
-    pub fn encode(&self, out: &mut Vec<u8>, channel: &str, m: &Outgoing<'_>) -> Result<String, Error> {
+    pub fn encode(
+        &self,
+        out: &mut Vec<u8>,
+        channel: &str,
+        m: &Outgoing<'_>,
+    ) -> Result<String, Error> {
         let id = new_id();
         let ts = format_ts(SystemTime::now());
         let before = out.len();
@@ -109,12 +134,19 @@ impl Engine {
         let mut line = Vec::with_capacity(200 + m.payload_json.len());
         let id = self.encode(&mut line, channel, m)?;
         let at = writer.append(&line, 1)?;
-        Ok(Published { id, offset: at.offset })
+        Ok(Published {
+            id,
+            offset: at.offset,
+        })
     }
 
     /// Publishes several messages as one group: one write, one fsync, all or
     /// none committed, contiguous in one segment.
-    pub fn publish_batch(&self, channel: &str, items: &[Outgoing<'_>]) -> Result<Vec<Published>, Error> {
+    pub fn publish_batch(
+        &self,
+        channel: &str,
+        items: &[Outgoing<'_>],
+    ) -> Result<Vec<Published>, Error> {
         let writer = self.publish_writer(channel)?;
         if items.is_empty() {
             return Ok(Vec::new());
@@ -137,16 +169,174 @@ impl Engine {
 
     /// A reader of `channel` from global offset `from`, and the limit up to
     /// which it may read (the committed end).
-    pub fn reader(&self, channel: &str, from: u64) -> Result<(LogReader, Arc<ChannelWriter>), Error> {
+    pub fn reader(
+        &self,
+        channel: &str,
+        from: u64,
+    ) -> Result<(LogReader, Arc<ChannelWriter>), Error> {
         self.check_open()?;
         validate_name(NameKind::Channel, channel)?;
         let writer = self.store.writer(channel)?;
         Ok((LogReader::new(writer.dir(), from), writer))
     }
 
-    /// Stops publishing, flushes and closes every channel. Idempotent.
+    fn subs(&self) -> std::sync::MutexGuard<'_, HashMap<SubscriberKey, Arc<Subscriber>>> {
+        self.subscribers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts delivering `channel` to `handler` as subscriber `id`, resuming
+    /// from its offset file (or starting at the current end when it has
+    /// none). One subscription per (channel, id) at a time.
+    pub fn subscribe<H: Handler>(
+        &self,
+        channel: &str,
+        id: &str,
+        handler: H,
+        opts: SubscribeOptions,
+    ) -> Result<Arc<Subscriber>, Error> {
+        self.check_open()?;
+        validate_name(NameKind::Channel, channel)?;
+        validate_name(NameKind::SubscriberId, id)?;
+        let mut subs = self.subs();
+        let key = (channel.to_owned(), id.to_owned());
+        if subs.contains_key(&key) {
+            return Err(Error::Subscription(format!(
+                "subscriber {id:?} is already subscribed to channel {channel:?}; close that subscription first"
+            )));
+        }
+        let writer = self.store.writer(channel)?;
+        let dead_letters = if channel.ends_with(envelope::DEAD_LETTER_SUFFIX) {
+            writer.clone()
+        } else {
+            self.store.writer(&envelope::dead_letter_channel(channel))?
+        };
+        let path = offset_path(&subscribers_dir(self.store.data_dir(), channel), id);
+        let sub = Subscriber::start(
+            channel,
+            id,
+            writer,
+            dead_letters,
+            path.clone(),
+            handler,
+            opts,
+        )
+        .map_err(io_error(format!(
+            "cannot start subscriber {id:?} on channel {channel:?} (offset file {})",
+            path.display()
+        )))?;
+        let sub = Arc::new(sub);
+        subs.insert(key, sub.clone());
+        Ok(sub)
+    }
+
+    /// Stops subscriber `id` of `channel` (its offset is kept). Returns
+    /// false when it was not subscribed.
+    pub fn stop_subscriber(&self, channel: &str, id: &str) -> bool {
+        let sub = self.subs().remove(&(channel.to_owned(), id.to_owned()));
+        match sub {
+            Some(s) => {
+                s.stop();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Stops subscriber `id` (if running) and deletes its offset file, so a
+    /// later subscribe starts at the end again.
+    pub fn unsubscribe(&self, channel: &str, id: &str) -> Result<(), Error> {
+        self.check_open()?;
+        validate_name(NameKind::Channel, channel)?;
+        validate_name(NameKind::SubscriberId, id)?;
+        let was_running = self.stop_subscriber(channel, id);
+        let path = offset_path(&subscribers_dir(self.store.data_dir(), channel), id);
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && was_running => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::Subscription(
+                format!("subscriber {id:?} of channel {channel:?} does not exist"),
+            )),
+            Err(e) => Err(io_error(format!("cannot delete {}", path.display()))(e)),
+        }
+    }
+
+    /// Runs one retention pass over every channel of the data directory.
+    pub fn compact(&self, cfg: &RetentionConfig) -> Result<Vec<(String, CompactionReport)>, Error> {
+        let root = self.store.data_dir();
+        let channels = compaction::list_channels(root).map_err(io_error(format!(
+            "cannot list channels of {}",
+            root.display()
+        )))?;
+        let mut active: HashMap<String, HashSet<String>> = HashMap::new();
+        for (channel, id) in self.subs().keys() {
+            active
+                .entry(channel.clone())
+                .or_default()
+                .insert(id.clone());
+        }
+        let none = HashSet::new();
+        let mut out = Vec::new();
+        for channel in channels {
+            let ids = active.get(&channel).unwrap_or(&none);
+            match compaction::compact_channel(root, &channel, ids, cfg) {
+                Ok(r) => out.push((channel, r)),
+                // One unreadable channel does not stop the others.
+                Err(e) => log::error!("channel {channel:?}: compaction skipped: {e}"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Runs [`Engine::compact`] every `interval` on a background thread
+    /// until close. Replaces a previously started one.
+    pub fn start_retention(
+        self: &Arc<Self>,
+        cfg: RetentionConfig,
+        interval: Duration,
+    ) -> Result<(), Error> {
+        self.stop_retention();
+        let stop = Arc::new(Stop::default());
+        let (engine, s) = (Arc::downgrade(self), stop.clone());
+        let handle = std::thread::Builder::new()
+            .name("keyop-retention".into())
+            .spawn(move || {
+                while !s.sleep(interval) {
+                    let Some(engine) = engine.upgrade() else {
+                        break;
+                    };
+                    if let Err(e) = engine.compact(&cfg) {
+                        log::error!("compaction failed: {e}");
+                    }
+                }
+            })
+            .map_err(io_error("cannot start the retention thread".into()))?;
+        *self.retention.lock().unwrap_or_else(|e| e.into_inner()) = Some((stop, handle));
+        Ok(())
+    }
+
+    fn stop_retention(&self) {
+        let taken = self
+            .retention
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some((stop, handle)) = taken {
+            stop.set();
+            if std::thread::current().id() != handle.thread().id() {
+                let _ = handle.join();
+            }
+        }
+    }
+
+    /// Stops every subscriber (each persists its offset) and the retention
+    /// thread, then flushes and closes every channel. Idempotent.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
+        let subs: Vec<_> = self.subs().drain().map(|(_, s)| s).collect();
+        for s in subs {
+            s.stop();
+        }
+        self.stop_retention();
         self.store.close();
     }
 }
@@ -161,5 +351,8 @@ impl Drop for Engine {
 /// keyop-messenger 1.4 or by another process (no lock is taken).
 pub fn read_channel(data_dir: &Path, channel: &str, from: u64) -> Result<LogReader, Error> {
     envelope::validate_name(NameKind::Channel, channel)?;
-    Ok(LogReader::new(crate::storage::channel_dir(data_dir, channel), from))
+    Ok(LogReader::new(
+        crate::storage::channel_dir(data_dir, channel),
+        from,
+    ))
 }

@@ -328,7 +328,17 @@ mod tests {
         for ok in ["a", "orders", "A.b_c-9", "x.dead-letter"] {
             validate_name(NameKind::Channel, ok).unwrap();
         }
-        for bad in ["", ".", "..", "a/b", "../x", "a\0b", "a b", "é", &"x".repeat(256)] {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "a/b",
+            "../x",
+            "a\0b",
+            "a b",
+            "é",
+            &"x".repeat(256),
+        ] {
             assert!(validate_name(NameKind::Channel, bad).is_err(), "{bad:?}");
         }
         validate_name(NameKind::Channel, &"x".repeat(255)).unwrap();
@@ -344,7 +354,10 @@ mod tests {
         let t = |s: u64, n: u32| format_ts(UNIX_EPOCH + Duration::new(s, n));
         assert_eq!(t(1_774_966_921, 0), "2026-03-31T14:22:01Z");
         assert_eq!(t(1_774_966_921, 500_000_000), "2026-03-31T14:22:01.5Z");
-        assert_eq!(t(1_774_966_921, 123_456_789), "2026-03-31T14:22:01.123456789Z");
+        assert_eq!(
+            t(1_774_966_921, 123_456_789),
+            "2026-03-31T14:22:01.123456789Z"
+        );
         assert_eq!(t(1_774_966_921, 1_000), "2026-03-31T14:22:01.000001Z");
         assert_eq!(
             parse_ts_nanos("2026-03-31T14:22:01.5Z"),

@@ -6,10 +6,13 @@
 pub mod engine;
 pub mod envelope;
 pub mod storage;
+pub mod subscribe;
 
 pub use engine::{read_channel, Engine, Outgoing, Published};
 pub use envelope::{Envelope, NameError, NameKind};
+pub use storage::compaction::{CompactionReport, RetentionConfig};
 pub use storage::{StorageError, StoreConfig};
+pub use subscribe::{BatchOutcome, Delivery, Failure, Handler, SubscribeOptions, Subscriber};
 
 /// Errors of the engine's public operations. The Python binding maps each
 /// variant onto one exception class.
@@ -23,6 +26,8 @@ pub enum Error {
     Closed(String),
     #[error("{0}")]
     Config(String),
+    #[error("{0}")]
+    Subscription(String),
     #[error(transparent)]
     Storage(StorageError),
 }

@@ -19,6 +19,7 @@ pub enum Kind {
     Storage,
     Closed,
     Config,
+    Subscription,
 }
 
 impl Kind {
@@ -30,11 +31,13 @@ impl Kind {
             Kind::Storage => "StorageError",
             Kind::Closed => "ClosedError",
             Kind::Config => "ConfigError",
+            Kind::Subscription => "SubscriptionError",
         }
     }
 }
 
-static CLASSES: [PyOnceLock<Py<PyType>>; 6] = [
+static CLASSES: [PyOnceLock<Py<PyType>>; 7] = [
+    PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
@@ -48,11 +51,16 @@ pub fn new_err(py: Python<'_>, kind: Kind, msg: String) -> PyErr {
     let cell = &CLASSES[kind as usize];
     let class = cell.get_or_try_init(py, || -> PyResult<Py<PyType>> {
         let module = py.import("keyop_messenger.errors")?;
-        Ok(module.getattr(kind.class_name())?.cast_into::<PyType>()?.unbind())
+        Ok(module
+            .getattr(kind.class_name())?
+            .cast_into::<PyType>()?
+            .unbind())
     });
     match class {
         Ok(cls) => PyErr::from_type(cls.bind(py).clone(), (msg,)),
-        Err(e) => PyRuntimeError::new_err(format!("{msg} (and keyop_messenger.errors failed to load: {e})")),
+        Err(e) => PyRuntimeError::new_err(format!(
+            "{msg} (and keyop_messenger.errors failed to load: {e})"
+        )),
     }
 }
 
@@ -64,6 +72,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Closed(_) => Kind::Closed,
         Error::Config(_) => Kind::Config,
         Error::Storage(_) => Kind::Storage,
+        Error::Subscription(_) => Kind::Subscription,
     };
     new_err(py, kind, e.to_string())
 }

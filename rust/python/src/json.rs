@@ -36,7 +36,7 @@ pub fn write_json(
     if obj.is_none() {
         out.extend_from_slice(b"null");
     } else if let Ok(s) = obj.cast::<PyString>() {
-        push_str(out, &s.to_str()?);
+        push_str(out, s.to_str()?);
     } else if let Ok(b) = obj.cast::<PyBool>() {
         out.extend_from_slice(if b.is_true() { b"true" } else { b"false" });
     } else if let Ok(i) = obj.cast::<PyInt>() {
@@ -49,7 +49,10 @@ pub fn write_json(
     } else if let Ok(f) = obj.cast::<PyFloat>() {
         let v = f.value();
         if !v.is_finite() {
-            return Err(type_err(py, format!("payload contains {v}, which JSON cannot represent")));
+            return Err(type_err(
+                py,
+                format!("payload contains {v}, which JSON cannot represent"),
+            ));
         }
         serde_json::to_writer(&mut *out, &v).expect("finite float serialisation");
     } else if let Ok(d) = obj.cast::<PyDict>() {
@@ -63,11 +66,14 @@ pub fn write_json(
                     py,
                     format!(
                         "payload dict keys must be str, got {}",
-                        k.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                        k.get_type()
+                            .name()
+                            .map(|n| n.to_string())
+                            .unwrap_or_default()
                     ),
                 )
             })?;
-            push_str(out, &key.to_str()?);
+            push_str(out, key.to_str()?);
             out.push(b':');
             write_json(&v, out, default, depth + 1)?;
         }
@@ -79,12 +85,22 @@ pub fn write_json(
     } else if let Some(f) = default {
         let plain = f.call1((obj,))?;
         if plain.is(obj) {
-            return Err(type_err(py, "payload default function returned its input".into()));
+            return Err(type_err(
+                py,
+                "payload default function returned its input".into(),
+            ));
         }
         write_json(&plain, out, default, depth + 1)?;
     } else {
-        let name = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        return Err(type_err(py, format!("{name} values cannot be encoded as JSON")));
+        let name = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        return Err(type_err(
+            py,
+            format!("{name} values cannot be encoded as JSON"),
+        ));
     }
     Ok(())
 }

@@ -8,9 +8,13 @@ mod json;
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use keyop_core::storage::{ChannelWriter, FaultPoint, Item, LogReader};
-use keyop_core::{Engine, Envelope, Outgoing, StoreConfig};
+use keyop_core::{
+    BatchOutcome, Delivery, Engine, Envelope, Failure, Handler, Outgoing, RetentionConfig,
+    StoreConfig, SubscribeOptions, Subscriber,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -19,7 +23,7 @@ use errors::{new_err, IntoPyResult, Kind};
 /// A local messenger instance: a data directory and an instance name.
 #[pyclass(module = "keyop_messenger._core", name = "Engine", frozen)]
 struct PyEngine {
-    engine: Engine,
+    engine: Arc<Engine>,
 }
 
 /// One message read from a channel, as a plain tuple:
@@ -64,7 +68,9 @@ impl PyEngine {
             segment_bytes,
         };
         let engine = py.detach(|| Engine::open(cfg, name)).py_err(py)?;
-        Ok(PyEngine { engine })
+        Ok(PyEngine {
+            engine: Arc::new(engine),
+        })
     }
 
     /// The instance name written as `origin`.
@@ -93,7 +99,9 @@ impl PyEngine {
             service_name,
             correlation_id,
         };
-        let published = py.detach(|| self.engine.publish(channel, &msg)).py_err(py)?;
+        let published = py
+            .detach(|| self.engine.publish(channel, &msg))
+            .py_err(py)?;
         Ok(published.id)
     }
 
@@ -123,7 +131,10 @@ impl PyEngine {
                 return Err(new_err(
                     py,
                     Kind::PayloadType,
-                    format!("publish_batch items must be 2-tuples, got {} elements", pair.len()),
+                    format!(
+                        "publish_batch items must be 2-tuples, got {} elements",
+                        pair.len()
+                    ),
                 ));
             }
             let payload_type: String = pair.get_item(0)?.extract()?;
@@ -187,7 +198,14 @@ impl PyEngine {
     /// "sync" or "roll") on `channel`; a failing write first writes
     /// `partial` bytes.
     #[pyo3(signature = (channel, kind, count = 1, partial = 0))]
-    fn _inject_fault(&self, py: Python<'_>, channel: &str, kind: &str, count: u32, partial: usize) -> PyResult<()> {
+    fn _inject_fault(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+        kind: &str,
+        count: u32,
+        partial: usize,
+    ) -> PyResult<()> {
         let point = match kind {
             "write" => FaultPoint::Write { partial },
             "sync" => FaultPoint::Sync,
@@ -202,9 +220,196 @@ impl PyEngine {
         Ok(())
     }
 
+    /// Starts delivering `channel` to `deliver` as subscriber `subscriber_id`.
+    ///
+    /// `deliver(rows)` is called with a list of rows `(offset, id, ts_nanos,
+    /// channel, origin, payload_type, service_name, correlation_id,
+    /// payload_json)` and returns `(handled, failure)`: how many leading rows
+    /// were handled, and `None` or `(reject, error_text)` for the row after
+    /// them (`reject`: dead-letter at once instead of retrying).
+    #[pyo3(signature = (channel, subscriber_id, deliver, *, max_retries = 5, offset_flush_interval_ms = 0, backoff_base_ms = 100, backoff_max_ms = 5000))]
+    #[allow(clippy::too_many_arguments)]
+    fn subscribe(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+        subscriber_id: &str,
+        deliver: Py<PyAny>,
+        max_retries: u32,
+        offset_flush_interval_ms: u64,
+        backoff_base_ms: u64,
+        backoff_max_ms: u64,
+    ) -> PyResult<Subscription> {
+        let opts = SubscribeOptions {
+            max_retries,
+            offset_flush_interval: Duration::from_millis(offset_flush_interval_ms),
+            backoff_base: Duration::from_millis(backoff_base_ms),
+            backoff_max: Duration::from_millis(backoff_max_ms.max(backoff_base_ms)),
+            ..SubscribeOptions::default()
+        };
+        let handler = PyHandler { deliver };
+        let sub = py
+            .detach(|| self.engine.subscribe(channel, subscriber_id, handler, opts))
+            .py_err(py)?;
+        Ok(Subscription {
+            engine: self.engine.clone(),
+            sub,
+        })
+    }
+
+    /// Stops `subscriber_id` of `channel` if running and deletes its offset file.
+    fn unsubscribe(&self, py: Python<'_>, channel: &str, subscriber_id: &str) -> PyResult<()> {
+        py.detach(|| self.engine.unsubscribe(channel, subscriber_id))
+            .py_err(py)
+    }
+
+    /// Runs the retention loop every `interval_ms` until close.
+    #[pyo3(signature = (interval_ms, max_lag_bytes = None, offset_ttl_ms = None))]
+    fn start_retention(
+        &self,
+        py: Python<'_>,
+        interval_ms: u64,
+        max_lag_bytes: Option<u64>,
+        offset_ttl_ms: Option<u64>,
+    ) -> PyResult<()> {
+        let cfg = retention(max_lag_bytes, offset_ttl_ms);
+        self.engine
+            .start_retention(cfg, Duration::from_millis(interval_ms.max(1)))
+            .py_err(py)
+    }
+
+    /// One retention pass now; returns `{channel: (segments_deleted,
+    /// bytes_freed, offsets_removed)}` for channels where something happened.
+    #[pyo3(signature = (max_lag_bytes = None, offset_ttl_ms = None))]
+    fn compact<'py>(
+        &self,
+        py: Python<'py>,
+        max_lag_bytes: Option<u64>,
+        offset_ttl_ms: Option<u64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let cfg = retention(max_lag_bytes, offset_ttl_ms);
+        let reports = py.detach(|| self.engine.compact(&cfg)).py_err(py)?;
+        let d = PyDict::new(py);
+        for (channel, r) in reports {
+            if r.segments_deleted > 0 || !r.offsets_removed.is_empty() {
+                d.set_item(
+                    channel,
+                    (r.segments_deleted, r.bytes_freed, r.offsets_removed),
+                )?;
+            }
+        }
+        Ok(d)
+    }
+
     /// Flushes and closes every channel. Idempotent.
     fn close(&self, py: Python<'_>) {
         py.detach(|| self.engine.close());
+    }
+}
+
+fn retention(max_lag_bytes: Option<u64>, offset_ttl_ms: Option<u64>) -> RetentionConfig {
+    RetentionConfig {
+        max_lag_bytes,
+        stale_offset_ttl: offset_ttl_ms.map(Duration::from_millis),
+    }
+}
+
+/// Calls the Python delivery function with the GIL held, once per batch.
+struct PyHandler {
+    deliver: Py<PyAny>,
+}
+
+type DeliveryRow<'a> = (
+    u64,
+    &'a str,
+    i64,
+    &'a str,
+    &'a str,
+    &'a str,
+    Option<&'a str>,
+    Option<&'a str>,
+    &'a str,
+);
+
+impl Handler for PyHandler {
+    fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
+        Python::attach(|py| {
+            let rows: Vec<DeliveryRow<'_>> = batch
+                .iter()
+                .map(|d| {
+                    let e = &d.envelope;
+                    (
+                        d.offset,
+                        e.id.as_str(),
+                        e.ts_nanos,
+                        e.channel.as_str(),
+                        e.origin.as_str(),
+                        e.payload_type.as_str(),
+                        e.service_name.as_deref(),
+                        e.correlation_id.as_deref(),
+                        e.payload.get(),
+                    )
+                })
+                .collect();
+            let result = self
+                .deliver
+                .call1(py, (rows,))
+                .and_then(|r| r.extract::<(usize, Option<(bool, String)>)>(py));
+            match result {
+                Ok((handled, failure)) => BatchOutcome {
+                    handled,
+                    failure: failure.map(|(reject, text)| {
+                        if reject {
+                            Failure::Reject(text)
+                        } else {
+                            Failure::Retry(text)
+                        }
+                    }),
+                },
+                Err(e) => BatchOutcome {
+                    handled: 0,
+                    failure: Some(Failure::Retry(format!("delivery function failed: {e}"))),
+                },
+            }
+        })
+    }
+}
+
+/// A running subscription; `close()` stops it and keeps its offset.
+#[pyclass(module = "keyop_messenger._core", frozen)]
+struct Subscription {
+    engine: Arc<Engine>,
+    sub: Arc<Subscriber>,
+}
+
+#[pymethods]
+impl Subscription {
+    /// Channel subscribed to.
+    #[getter]
+    fn channel(&self) -> &str {
+        self.sub.channel()
+    }
+
+    /// Subscriber id.
+    #[getter]
+    fn subscriber_id(&self) -> &str {
+        self.sub.id()
+    }
+
+    /// Offset of the next record not yet acknowledged.
+    #[getter]
+    fn position(&self) -> u64 {
+        self.sub.position()
+    }
+
+    /// Stops delivery (a handler call in progress finishes first) and
+    /// persists the offset. Idempotent; safe to call from the handler.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            self.engine
+                .stop_subscriber(self.sub.channel(), self.sub.id());
+            self.sub.stop();
+        });
     }
 }
 
@@ -237,7 +442,12 @@ impl RecordIter {
                 let Some(item) = reader.next_item(limit)? else {
                     return Ok(None);
                 };
-                let Item::Record { offset, segment, line } = item else {
+                let Item::Record {
+                    offset,
+                    segment,
+                    line,
+                } = item
+                else {
                     continue;
                 };
                 match Envelope::decode(&line) {
@@ -282,15 +492,24 @@ impl RecordIter {
 /// keyop-messenger 1.4, or in use by another process) from `start_offset`.
 #[pyfunction]
 #[pyo3(signature = (data_dir, channel, start_offset = 0))]
-fn read_channel(py: Python<'_>, data_dir: PathBuf, channel: &str, start_offset: u64) -> PyResult<RecordIter> {
+fn read_channel(
+    py: Python<'_>,
+    data_dir: PathBuf,
+    channel: &str,
+    start_offset: u64,
+) -> PyResult<RecordIter> {
     let reader = keyop_core::read_channel(&data_dir, channel, start_offset).py_err(py)?;
-    Ok(RecordIter { reader, writer: None })
+    Ok(RecordIter {
+        reader,
+        writer: None,
+    })
 }
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<RecordIter>()?;
+    m.add_class::<Subscription>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_RECORD_BYTES", keyop_core::envelope::MAX_RECORD_BYTES)?;

@@ -1,6 +1,8 @@
 //! Channel storage: the data directory, segment files, the per-channel writer
 //! with group commit, and readers.
 
+pub mod compaction;
+pub mod offsets;
 pub mod reader;
 pub mod segment;
 pub mod writer;
@@ -15,7 +17,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use reader::{Item, LogReader};
-pub use writer::{Appended, ChannelWriter, CommitNotifier, CounterSnapshot, FaultPoint, WriterConfig};
+pub use writer::{
+    Appended, ChannelWriter, CommitNotifier, CounterSnapshot, FaultPoint, WriterConfig,
+};
 
 use crate::envelope::{validate_name, NameError, NameKind};
 
@@ -151,7 +155,11 @@ impl Store {
 
     /// The writer of `channel`, opened (and recovered) on first use.
     pub fn writer(&self, channel: &str) -> Result<Arc<ChannelWriter>, StorageError> {
-        let mut writers = self.shared.writers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut writers = self
+            .shared
+            .writers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if let Some(w) = writers.get(channel) {
             return Ok(w.clone());
         }
@@ -170,7 +178,11 @@ impl Store {
 
     /// Writers opened so far.
     pub fn writers(&self) -> Vec<Arc<ChannelWriter>> {
-        let writers = self.shared.writers.lock().unwrap_or_else(|e| e.into_inner());
+        let writers = self
+            .shared
+            .writers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         writers.values().cloned().collect()
     }
 

@@ -105,7 +105,11 @@ impl LogReader {
                     self.pos = first;
                     return Ok(Some(Item::Gap { from, to: first }));
                 }
-                let start = *segs.iter().rev().find(|&&s| s <= self.pos).expect("first <= pos");
+                let start = *segs
+                    .iter()
+                    .rev()
+                    .find(|&&s| s <= self.pos)
+                    .expect("first <= pos");
                 let mut file = match File::open(segment::segment_path(&self.dir, start)) {
                     Ok(f) => f,
                     // Deleted between listing and opening: list again.
@@ -160,9 +164,10 @@ impl LogReader {
                     match segs.iter().find(|&&s| s > start) {
                         Some(&next) => {
                             // A sealed segment is done; a torn fragment left in it is skipped.
-                            let seg_len = std::fs::metadata(segment::segment_path(&self.dir, start))
-                                .map(|m| m.len())
-                                .unwrap_or(0);
+                            let seg_len =
+                                std::fs::metadata(segment::segment_path(&self.dir, start))
+                                    .map(|m| m.len())
+                                    .unwrap_or(0);
                             if start + seg_len > self.pos {
                                 log::warn!(
                                     "{}: skipped an unterminated record at offset {} of a sealed segment",

@@ -24,7 +24,8 @@ pub fn parse_segment_name(name: &str) -> Option<u64> {
 }
 
 /// Start offsets of every segment in `dir`, ascending. A missing directory
-/// has no segments.
+/// has no segments. Only canonical (20-digit) names count; other
+/// `<number>.jsonl` files are ignored.
 pub fn list_segments(dir: &Path) -> io::Result<Vec<u64>> {
     let mut starts = Vec::new();
     let entries = match fs::read_dir(dir) {
@@ -37,7 +38,14 @@ pub fn list_segments(dir: &Path) -> io::Result<Vec<u64>> {
         if entry.file_type()?.is_dir() {
             continue;
         }
-        if let Some(start) = entry.file_name().to_str().and_then(parse_segment_name) {
+        let name = entry.file_name();
+        // Segments are opened again by start offset (`segment_path`), so only
+        // canonical 20-digit names can be used: a stray `7.jsonl` would be
+        // listed but never found, and readers would spin on it forever.
+        if let Some(start) = name
+            .to_str()
+            .and_then(|n| parse_segment_name(n).filter(|&s| segment_name(s) == n))
+        {
             starts.push(start);
         }
     }
@@ -112,7 +120,10 @@ mod tests {
     fn names_round_trip() {
         assert_eq!(segment_name(0), "00000000000000000000.jsonl");
         assert_eq!(segment_name(65536), "00000000000000065536.jsonl");
-        assert_eq!(parse_segment_name("00000000000000065536.jsonl"), Some(65536));
+        assert_eq!(
+            parse_segment_name("00000000000000065536.jsonl"),
+            Some(65536)
+        );
         assert_eq!(parse_segment_name("65536.jsonl"), Some(65536));
         assert_eq!(parse_segment_name("-1.jsonl"), None);
         assert_eq!(parse_segment_name("x.jsonl"), None);

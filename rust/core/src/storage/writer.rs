@@ -217,13 +217,19 @@ impl ChannelWriter {
     /// Opens the writer of `dir` (creating it and its first segment if
     /// needed) and recovers a torn tail: bytes after the last line feed of
     /// the active segment are cut away, so the next append starts a new line.
-    pub fn open(channel: &str, dir: &Path, cfg: WriterConfig) -> Result<ChannelWriter, StorageError> {
+    pub fn open(
+        channel: &str,
+        dir: &Path,
+        cfg: WriterConfig,
+    ) -> Result<ChannelWriter, StorageError> {
         let ctx = |what: &str| format!("channel {channel:?}: {what} in {}", dir.display());
         segment::create_dir_all(dir).map_err(|e| io_err(ctx("cannot create directory"), e))?;
         if let Some(parent) = dir.parent() {
-            segment::sync_dir(parent).map_err(|e| io_err(ctx("cannot sync parent directory"), e))?;
+            segment::sync_dir(parent)
+                .map_err(|e| io_err(ctx("cannot sync parent directory"), e))?;
         }
-        let segs = segment::list_segments(dir).map_err(|e| io_err(ctx("cannot list segments"), e))?;
+        let segs =
+            segment::list_segments(dir).map_err(|e| io_err(ctx("cannot list segments"), e))?;
         let active = match segs.last() {
             None => Active {
                 file: Arc::new(
@@ -266,7 +272,9 @@ impl ChannelWriter {
             }
         };
         let notifier = CommitNotifier::default();
-        notifier.end.store(active.start + active.len, Ordering::Release);
+        notifier
+            .end
+            .store(active.start + active.len, Ordering::Release);
         Ok(ChannelWriter {
             channel: channel.to_owned(),
             dir: dir.to_owned(),
@@ -362,7 +370,10 @@ impl ChannelWriter {
         let buf = std::mem::replace(&mut st.pending, spare);
         let groups = std::mem::replace(&mut st.groups, spare_groups);
         let slot = std::mem::take(&mut st.slot);
-        let mut active = st.active.take().expect("active segment present when not flushing");
+        let mut active = st
+            .active
+            .take()
+            .expect("active segment present when not flushing");
         st.flushing = true;
         drop(st);
 
@@ -460,7 +471,10 @@ impl ChannelWriter {
     ) -> (usize, Option<StorageError>) {
         if active.tainted {
             if let Err(e) = self.truncate(active) {
-                return (0, Some(io_err(self.ctx("cannot cut back a failed write"), e)));
+                return (
+                    0,
+                    Some(io_err(self.ctx("cannot cut back a failed write"), e)),
+                );
             }
         }
         let limit = self.cfg.segment_bytes;

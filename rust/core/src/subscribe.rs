@@ -1,0 +1,571 @@
+//! Delivery to local subscribers: read -> handler -> retry/backoff ->
+//! acknowledge or dead-letter, with a persisted offset per subscriber.
+//!
+//! Each subscriber runs on its own engine-owned thread. It waits on its
+//! channel's commit notifier (with a slow fallback poll), reads whole
+//! committed lines in batches, and hands each batch to the [`Handler`], which
+//! processes records in order and reports how far it got. A failing record
+//! blocks the ones behind it while it is retried with exponential backoff;
+//! after the last retry it is appended to `<channel>.dead-letter` and only
+//! then is the offset moved past it. Stopping during a backoff leaves the
+//! failing record unacknowledged, so it is delivered again next time.
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::{self, JoinHandle, ThreadId};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::envelope::{
+    self, dead_letter_channel, encode_record, format_ts, new_id, Envelope, Header,
+    DEAD_LETTER_PAYLOAD_TYPE, DEAD_LETTER_SUFFIX,
+};
+use crate::storage::offsets::{read_offset, write_offset};
+use crate::storage::{segment, ChannelWriter, Item, LogReader};
+
+/// One record handed to a handler.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// Global offset of the record.
+    pub offset: u64,
+    /// The raw line (without `\n`).
+    pub line: Vec<u8>,
+    pub envelope: Envelope,
+}
+
+/// Why a handler did not acknowledge a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// The handler failed: retry with backoff, then dead-letter.
+    Retry(String),
+    /// The record can never be handled (its payload does not decode into the
+    /// registered type): dead-letter it at once.
+    Reject(String),
+}
+
+/// Outcome of a handler call over a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchOutcome {
+    /// Leading records handled successfully.
+    pub handled: usize,
+    /// Set when the record at index `handled` failed.
+    pub failure: Option<Failure>,
+}
+
+/// Application code receiving deliveries, in order.
+pub trait Handler: Send + 'static {
+    /// Handles `batch` in order, stopping at the first failure.
+    fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome;
+}
+
+/// Delivery settings of one subscriber.
+#[derive(Debug, Clone, Copy)]
+pub struct SubscribeOptions {
+    /// Retries after the first failed call before dead-lettering.
+    pub max_retries: u32,
+    /// Minimum time between offset-file writes; zero writes after every batch.
+    pub offset_flush_interval: Duration,
+    /// First retry delay; doubles per retry.
+    pub backoff_base: Duration,
+    /// Cap of the retry delay.
+    pub backoff_max: Duration,
+    /// Most records per handler call.
+    pub max_batch: usize,
+    /// Fallback poll when no commit wakes the reader.
+    pub poll_interval: Duration,
+}
+
+impl Default for SubscribeOptions {
+    fn default() -> Self {
+        SubscribeOptions {
+            max_retries: 5,
+            offset_flush_interval: Duration::ZERO,
+            backoff_base: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            max_batch: 512,
+            poll_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Delay before retry number `k` (1-based): base * 2^(k-1), capped.
+pub fn backoff_delay(base: Duration, max: Duration, k: u32) -> Duration {
+    let factor = 1u32.checked_shl(k.saturating_sub(1)).unwrap_or(u32::MAX);
+    base.checked_mul(factor).unwrap_or(max).min(max)
+}
+
+/// Stop signal shared by a background thread and its owner.
+#[derive(Default)]
+pub(crate) struct Stop {
+    flag: AtomicBool,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Stop {
+    pub(crate) fn is_set(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set(&self) {
+        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.flag.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    /// Sleeps up to `d`; true when stopped meanwhile.
+    pub(crate) fn sleep(&self, d: Duration) -> bool {
+        let g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self
+            .cv
+            .wait_timeout_while(g, d, |_| !self.flag.load(Ordering::Acquire))
+            .unwrap_or_else(|e| e.into_inner());
+        self.is_set()
+    }
+}
+
+/// A running subscriber. Dropping it stops it (see [`Subscriber::stop`]).
+pub struct Subscriber {
+    channel: String,
+    id: String,
+    stop: Arc<Stop>,
+    writer: Arc<ChannelWriter>,
+    position: Arc<AtomicU64>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    thread_id: ThreadId,
+}
+
+/// Everything the delivery thread owns.
+struct Worker<H: Handler> {
+    channel: String,
+    id: String,
+    handler: H,
+    opts: SubscribeOptions,
+    reader: LogReader,
+    writer: Arc<ChannelWriter>,
+    dead_letters: Arc<ChannelWriter>,
+    offset_path: PathBuf,
+    /// Offset of the next record not yet acknowledged.
+    acked: u64,
+    persisted: u64,
+    last_flush: Instant,
+    position: Arc<AtomicU64>,
+    stop: Arc<Stop>,
+}
+
+impl Subscriber {
+    /// Starts delivering `channel` to `handler` from the offset stored in
+    /// `offset_path` (or, when there is none, from the current end, which is
+    /// written to a new offset file at once).
+    pub(crate) fn start<H: Handler>(
+        channel: &str,
+        id: &str,
+        writer: Arc<ChannelWriter>,
+        dead_letters: Arc<ChannelWriter>,
+        offset_path: PathBuf,
+        handler: H,
+        opts: SubscribeOptions,
+    ) -> io::Result<Subscriber> {
+        let end = writer.committed_end();
+        let start = match read_offset(&offset_path)? {
+            Some(stored) => sane_start(&writer, stored, end, channel, id)?,
+            None => end,
+        };
+        if let Some(dir) = offset_path.parent() {
+            segment::create_dir_all(dir)?;
+        }
+        write_offset(&offset_path, start)?;
+        let stop = Arc::new(Stop::default());
+        let position = Arc::new(AtomicU64::new(start));
+        let worker = Worker {
+            channel: channel.to_owned(),
+            id: id.to_owned(),
+            handler,
+            opts,
+            reader: LogReader::new(writer.dir(), start),
+            writer: writer.clone(),
+            dead_letters,
+            offset_path,
+            acked: start,
+            persisted: start,
+            last_flush: Instant::now(),
+            position: position.clone(),
+            stop: stop.clone(),
+        };
+        let thread = thread::Builder::new()
+            .name(format!("keyop-sub-{id}"))
+            .spawn(move || worker.run())?;
+        Ok(Subscriber {
+            channel: channel.to_owned(),
+            id: id.to_owned(),
+            stop,
+            writer,
+            position,
+            thread_id: thread.thread().id(),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// The channel subscribed to.
+    pub fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// The subscriber id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Offset of the next record not yet acknowledged.
+    pub fn position(&self) -> u64 {
+        self.position.load(Ordering::Acquire)
+    }
+
+    /// Stops delivery, waits for a handler call in progress to return, and
+    /// persists the offset. Idempotent. Called from the subscriber's own
+    /// handler it only signals: the thread ends when the handler returns.
+    pub fn stop(&self) {
+        self.stop.set();
+        self.writer.notifier().wake_all();
+        if thread::current().id() == self.thread_id {
+            return;
+        }
+        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Validates a stored offset against the stream: one past the end (possible
+/// after an OS crash in relaxed mode) is clamped to the end, and one that
+/// does not fall on a record boundary moves to the next boundary.
+fn sane_start(
+    writer: &ChannelWriter,
+    stored: u64,
+    end: u64,
+    channel: &str,
+    id: &str,
+) -> io::Result<u64> {
+    if stored > end {
+        log::warn!(
+            "channel {channel:?}: subscriber {id:?} offset {stored} is past the end {end}; resuming at the end"
+        );
+        return Ok(end);
+    }
+    let segs = segment::list_segments(writer.dir())?;
+    let Some(&seg) = segs.iter().rev().find(|&&s| s < stored) else {
+        return Ok(stored);
+    };
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(segment::segment_path(writer.dir(), seg))?;
+    let mut prev = [0u8; 1];
+    if stored - seg > file.metadata()?.len() {
+        return Ok(stored); // in a gap between segments: the reader skips ahead
+    }
+    file.read_exact_at(&mut prev, stored - seg - 1)?;
+    if prev[0] == b'\n' {
+        return Ok(stored);
+    }
+    // Mid-record: skip to the start of the next record.
+    let mut reader = LogReader::new(writer.dir(), stored);
+    let next = match reader.next_item(end)? {
+        Some(item) => item.next_offset(),
+        None => end,
+    };
+    log::warn!(
+        "channel {channel:?}: subscriber {id:?} offset {stored} is inside a record; resuming at {next}"
+    );
+    Ok(next)
+}
+
+impl<H: Handler> Worker<H> {
+    fn run(mut self) {
+        while !self.stop.is_set() {
+            let batch = match self.read_batch() {
+                Ok(b) => b,
+                Err(e) => {
+                    log::error!(
+                        "channel {:?}: subscriber {:?}: read failed: {e}",
+                        self.channel,
+                        self.id
+                    );
+                    if self.stop.sleep(self.opts.poll_interval) {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            if batch.is_empty() {
+                self.flush_offset(false);
+                let wait = if self.acked != self.persisted {
+                    self.opts.offset_flush_interval.min(self.opts.poll_interval)
+                } else {
+                    self.opts.poll_interval
+                };
+                self.writer
+                    .notifier()
+                    .wait_past(self.reader.position(), wait);
+                continue;
+            }
+            if !self.deliver(&batch) {
+                break;
+            }
+            self.flush_offset(false);
+        }
+        self.flush_offset(true);
+    }
+
+    /// Reads up to `max_batch` decodable records. Unreadable lines and
+    /// skipped regions advance the acknowledged offset directly.
+    fn read_batch(&mut self) -> io::Result<Vec<Delivery>> {
+        let limit = self.writer.committed_end();
+        let mut batch = Vec::new();
+        while batch.len() < self.opts.max_batch {
+            let Some(item) = self.reader.next_item(limit)? else {
+                break;
+            };
+            let next = item.next_offset();
+            match item {
+                Item::Record { offset, line, .. } => match Envelope::decode(&line) {
+                    Ok(envelope) => batch.push(Delivery {
+                        offset,
+                        line,
+                        envelope,
+                    }),
+                    Err(e) => {
+                        log::warn!(
+                            "channel {:?}: skipped unreadable record at offset {offset}: {e}",
+                            self.channel
+                        );
+                        if batch.is_empty() {
+                            self.ack(next);
+                        } else {
+                            // Acknowledged once the records before it are.
+                            self.reader.seek(offset);
+                            break;
+                        }
+                    }
+                },
+                Item::Oversize { .. } | Item::Gap { .. } => {
+                    if let Item::Gap { from, to } = item {
+                        log::warn!(
+                            "channel {:?}: subscriber {:?} skipped deleted bytes {from}..{to}",
+                            self.channel,
+                            self.id
+                        );
+                    }
+                    if batch.is_empty() {
+                        self.ack(next);
+                    } else {
+                        self.reader.seek(item_start(&item));
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(batch)
+    }
+
+    fn ack(&mut self, next: u64) {
+        self.acked = next;
+        self.position.store(next, Ordering::Release);
+    }
+
+    /// Delivers a batch; false when stopped before it was fully handled (the
+    /// unhandled records stay unacknowledged).
+    fn deliver(&mut self, batch: &[Delivery]) -> bool {
+        let mut rest = batch;
+        while !rest.is_empty() {
+            let out = self.handler.handle(rest);
+            let handled = out.handled.min(rest.len());
+            if handled > 0 {
+                let r = &rest[handled - 1];
+                self.ack(r.offset + r.line.len() as u64 + 1);
+            }
+            rest = &rest[handled..];
+            let Some(failure) = out.failure else {
+                if handled == 0 && !rest.is_empty() {
+                    // A handler that neither handles nor fails: treat as a failure.
+                    if !self.settle(&rest[0], Failure::Retry("handler made no progress".into())) {
+                        return false;
+                    }
+                    rest = &rest[1..];
+                }
+                continue;
+            };
+            if rest.is_empty() {
+                break;
+            }
+            if !self.settle(&rest[0], failure) {
+                return false;
+            }
+            rest = &rest[1..];
+            if self.stop.is_set() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Retries a failed record, then dead-letters it; true once it is
+    /// acknowledged, false when stopped first. The dead letter's `retries` is
+    /// the number of retries made (`max_retries` after a handler failure, as
+    /// in 1.4; 0 for a record rejected outright).
+    fn settle(&mut self, d: &Delivery, first: Failure) -> bool {
+        let mut retries = 0;
+        let last_error = match first {
+            Failure::Reject(e) => e,
+            Failure::Retry(mut e) => {
+                let mut attempt = 1;
+                loop {
+                    if attempt > self.opts.max_retries {
+                        break e;
+                    }
+                    retries = attempt;
+                    let delay =
+                        backoff_delay(self.opts.backoff_base, self.opts.backoff_max, attempt);
+                    if self.stop.sleep(delay) {
+                        return false;
+                    }
+                    let out = self.handler.handle(std::slice::from_ref(d));
+                    match out.failure {
+                        None if out.handled >= 1 => {
+                            self.ack(d.offset + d.line.len() as u64 + 1);
+                            return true;
+                        }
+                        Some(Failure::Reject(r)) => break r,
+                        Some(Failure::Retry(r)) => e = r,
+                        None => e = "handler made no progress".into(),
+                    }
+                    attempt += 1;
+                }
+            }
+        };
+        if self.channel.ends_with(DEAD_LETTER_SUFFIX) {
+            log::error!(
+                "channel {:?}: subscriber {:?} gave up on dead-letter record {} at offset {}: {last_error}",
+                self.channel,
+                self.id,
+                d.envelope.id,
+                d.offset
+            );
+            self.ack(d.offset + d.line.len() as u64 + 1);
+            return true;
+        }
+        // The offset moves only once the dead letter is committed.
+        let mut attempt = 1;
+        loop {
+            match self.dead_letter(d, &last_error, retries) {
+                Ok(()) => {
+                    self.ack(d.offset + d.line.len() as u64 + 1);
+                    return true;
+                }
+                Err(e) => log::error!(
+                    "channel {:?}: cannot write dead letter for {}: {e}; retrying",
+                    self.channel,
+                    d.envelope.id
+                ),
+            }
+            let delay = backoff_delay(self.opts.backoff_base, self.opts.backoff_max, attempt);
+            if self.stop.sleep(delay) {
+                return false;
+            }
+            attempt += 1;
+        }
+    }
+
+    fn dead_letter(
+        &self,
+        d: &Delivery,
+        last_error: &str,
+        retries: u32,
+    ) -> Result<(), crate::StorageError> {
+        let now = format_ts(SystemTime::now());
+        let mut payload = Vec::with_capacity(d.line.len() + last_error.len() + 96);
+        payload.extend_from_slice(b"{\"original\":");
+        payload.extend_from_slice(&d.line);
+        payload.extend_from_slice(format!(",\"retries\":{retries},\"last_error\":").as_bytes());
+        serde_json::to_writer(&mut payload, last_error).expect("string into Vec");
+        payload.extend_from_slice(b",\"failed_at\":");
+        serde_json::to_writer(&mut payload, &now).expect("string into Vec");
+        payload.push(b'}');
+        let id = new_id();
+        let channel = dead_letter_channel(&self.channel);
+        let mut line = Vec::with_capacity(payload.len() + 200);
+        encode_record(
+            &mut line,
+            &Header {
+                id: &id,
+                ts: &now,
+                channel: &channel,
+                origin: &d.envelope.origin,
+                payload_type: DEAD_LETTER_PAYLOAD_TYPE,
+                correlation_id: None,
+                service_name: None,
+            },
+            &payload,
+        );
+        if line.len() > envelope::MAX_RECORD_BYTES {
+            log::warn!(
+                "channel {:?}: dead letter for {} exceeds the record limit",
+                self.channel,
+                d.envelope.id
+            );
+        }
+        self.dead_letters.append(&line, 1).map(|_| ())
+    }
+
+    /// Writes the acknowledged offset if it moved and the flush interval
+    /// allows (always when `force`).
+    fn flush_offset(&mut self, force: bool) {
+        if self.acked == self.persisted {
+            return;
+        }
+        if !force && self.last_flush.elapsed() < self.opts.offset_flush_interval {
+            return;
+        }
+        match write_offset(&self.offset_path, self.acked) {
+            Ok(()) => {
+                self.persisted = self.acked;
+                self.last_flush = Instant::now();
+            }
+            Err(e) => log::error!(
+                "channel {:?}: subscriber {:?}: cannot write offset {}: {e}",
+                self.channel,
+                self.id,
+                self.offset_path.display()
+            ),
+        }
+    }
+}
+
+fn item_start(item: &Item) -> u64 {
+    match item {
+        Item::Record { offset, .. } | Item::Oversize { offset, .. } => *offset,
+        Item::Gap { from, .. } => *from,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_cap() {
+        let b = Duration::from_millis(100);
+        let m = Duration::from_secs(5);
+        let got: Vec<u128> = (1..=8)
+            .map(|k| backoff_delay(b, m, k).as_millis())
+            .collect();
+        assert_eq!(got, vec![100, 200, 400, 800, 1600, 3200, 5000, 5000]);
+        assert_eq!(backoff_delay(b, m, 60), m);
+    }
+}
