@@ -19,6 +19,7 @@ from .context import context
 from .errors import (
     ClosedError,
     ConfigError,
+    FederationError,
     InvalidNameError,
     KeyopError,
     MessageTooLargeError,
@@ -39,6 +40,7 @@ __all__ = [
     "ConfigError",
     "DedupConfig",
     "FederationConfig",
+    "FederationError",
     "HubConfig",
     "HubEndpoint",
     "InvalidNameError",

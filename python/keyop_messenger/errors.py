@@ -16,6 +16,7 @@ __all__ = [
     "StorageError",
     "ClosedError",
     "SubscriptionError",
+    "FederationError",
 ]
 
 
@@ -63,3 +64,9 @@ class ClosedError(KeyopError, RuntimeError):
 
 class SubscriptionError(KeyopError, RuntimeError):
     """A subscriber id is already subscribed, or an unsubscribed id does not exist."""
+
+
+class FederationError(KeyopError, RuntimeError):
+    """Federation could not start: unusable TLS material, a listen address in
+    use, or an invalid hub address. (A hub that is down is not an error: the
+    client keeps dialing it in the background.)"""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import json
 import os
 import threading
 import weakref
@@ -60,6 +62,12 @@ class Messenger:
         )
         self._engine.start_retention(int(RETENTION_INTERVAL_S * 1000), **self._retention())
         _OPEN.add(self)
+        if config.hub.enabled or config.client.enabled:
+            try:
+                self._engine.start_federation(json.dumps(_federation_settings(config)))
+            except BaseException:
+                self.close()
+                raise
 
     def _retention(self) -> dict[str, int | None]:
         lag_mb = self._config.storage.max_subscriber_lag_mb
@@ -78,6 +86,15 @@ class Messenger:
     def name(self) -> str:
         """The instance name, written as ``origin`` in published envelopes."""
         return self._config.name
+
+    @property
+    def hub_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the hub listens on (useful with port 0), or None."""
+        return self._engine.hub_address
+
+    def federation_status(self) -> dict[str, Any]:
+        """Hub counters and connected peers, and each client link's state."""
+        return self._engine.federation_status()
 
     def register_payload_type(self, name: str, cls: type) -> None:
         """Associates payload type ``name`` with ``cls`` (dataclass, pydantic
@@ -125,9 +142,10 @@ class Messenger:
     ) -> list[str]:
         """Publishes ``(payload_type, payload)`` pairs with one write and one
         fsync: all are committed or none is. Returns their ids in order."""
-        pairs = [tuple(item) for item in items]
+        pairs = list(items)
         for pair in pairs:
-            if len(pair) == 2:
+            # The engine reports items that are not 2-tuples.
+            if isinstance(pair, tuple) and len(pair) == 2:
                 self._registry.check(pair[0], pair[1])
         service, corr = self._meta(service_name, correlation_id)
         return self._engine.publish_batch(channel, pairs, service, corr, to_plain)
@@ -208,6 +226,34 @@ class Messenger:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Messenger {self.name!r} data_dir={self._config.storage.data_dir!r} {state}>"
+
+
+def _federation_settings(config: Config) -> dict[str, Any]:
+    """The engine's federation settings, from a validated config."""
+    ttl = config.hub.fed_client_offset_ttl.total_seconds()
+    return {
+        "name": config.name,
+        "hub": {
+            "enabled": config.hub.enabled,
+            "listen_addr": config.hub.listen_addr,
+            "allowed_peers": [dataclasses.asdict(p) for p in config.hub.allowed_peers],
+            "fed_client_offset_ttl_s": ttl,
+        },
+        "client": {
+            "enabled": config.client.enabled,
+            "hubs": [dataclasses.asdict(h) for h in config.client.hubs],
+        },
+        "tls": dataclasses.asdict(config.tls),
+        "federation": {
+            "reconnect_base_ms": config.federation.reconnect_base_ms,
+            "reconnect_max_ms": config.federation.reconnect_max_ms,
+            "reconnect_jitter": config.federation.reconnect_jitter,
+            "max_batch_bytes": config.federation.max_batch_bytes,
+        },
+        "seen_id_lru_size": config.dedup.seen_id_lru_size,
+        "audit_max_size_mb": config.audit.max_size_mb,
+        "audit_max_files": config.audit.max_files,
+    }
 
 
 def read_channel(

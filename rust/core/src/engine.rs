@@ -4,13 +4,15 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
+use crate::dedup::SeenIds;
 use crate::envelope::{
     self, encode_record, format_ts, new_id, validate_name, Header, NameKind, MAX_RECORD_BYTES,
 };
+use crate::federation::{FedConfig, Federation};
 use crate::storage::compaction::{self, CompactionReport, RetentionConfig};
 use crate::storage::offsets::{offset_path, subscribers_dir};
 use crate::storage::{ChannelWriter, LogReader, StorageError, Store, StoreConfig};
@@ -35,11 +37,15 @@ pub struct Published {
 
 /// A local messenger instance: storage plus identity.
 pub struct Engine {
-    store: Store,
+    store: Arc<Store>,
     origin: String,
     closed: AtomicBool,
     subscribers: Mutex<HashMap<(String, String), Arc<Subscriber>>>,
     retention: Mutex<Option<(Arc<Stop>, JoinHandle<()>)>>,
+    /// Set once federation starts: ids published here are marked seen so
+    /// echoes coming back from a hub are dropped.
+    seen: OnceLock<Arc<SeenIds>>,
+    federation: Mutex<Option<Federation>>,
 }
 
 type SubscriberKey = (String, String);
@@ -60,11 +66,13 @@ impl Engine {
             return Err(Error::Config("instance name must not be empty".into()));
         }
         Ok(Engine {
-            store: Store::open(cfg)?,
+            store: Arc::new(Store::open(cfg)?),
             origin: origin.to_owned(),
             closed: AtomicBool::new(false),
             subscribers: Mutex::new(HashMap::new()),
             retention: Mutex::new(None),
+            seen: OnceLock::new(),
+            federation: Mutex::new(None),
         })
     }
 
@@ -158,6 +166,11 @@ impl Engine {
             ids.push((self.encode(&mut buf, channel, m)?, start as u64));
         }
         let at = writer.append(&buf, items.len() as u64)?;
+        if let Some(seen) = self.seen.get() {
+            for (id, _) in &ids {
+                seen.insert(id);
+            }
+        }
         Ok(ids
             .into_iter()
             .map(|(id, rel)| Published {
@@ -328,10 +341,46 @@ impl Engine {
         }
     }
 
-    /// Stops every subscriber (each persists its offset) and the retention
-    /// thread, then flushes and closes every channel. Idempotent.
+    /// Starts the hub and/or client links of `cfg` (see [`Federation::start`]).
+    pub fn start_federation(&self, mut cfg: FedConfig) -> Result<(), Error> {
+        self.check_open()?;
+        let mut slot = self.federation.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() {
+            return Err(Error::Federation("federation is already running".into()));
+        }
+        cfg.name = self.origin.clone();
+        let seen = self
+            .seen
+            .get_or_init(|| Arc::new(SeenIds::new(cfg.seen_id_lru_size.max(1))))
+            .clone();
+        let fed = Federation::start(self.store.clone(), seen, cfg)
+            .map_err(|e| Error::Federation(e.to_string()))?;
+        *slot = Some(fed);
+        Ok(())
+    }
+
+    /// Runs `f` on the running federation, if any.
+    pub fn with_federation<T>(&self, f: impl FnOnce(&Federation) -> T) -> Option<T> {
+        self.federation
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(f)
+    }
+
+    /// Stops federation (if running), every subscriber (each persists its
+    /// offset) and the retention thread, then flushes and closes every
+    /// channel. Idempotent.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
+        let fed = self
+            .federation
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(mut fed) = fed {
+            fed.stop();
+        }
         let subs: Vec<_> = self.subs().drain().map(|(_, s)| s).collect();
         for s in subs {
             s.stop();

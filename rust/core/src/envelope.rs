@@ -26,6 +26,8 @@ pub const DEAD_LETTER_SUFFIX: &str = ".dead-letter";
 pub const DEAD_LETTER_PAYLOAD_TYPE: &str = "com.keyop.messenger.DeadLetterPayload";
 /// File-name prefix reserved for hub-side federation cursors.
 pub const FED_CURSOR_PREFIX: &str = "fed-";
+/// File-name prefix reserved for a client's forwarding cursors.
+pub const HUB_CURSOR_PREFIX: &str = "hub-";
 
 /// What a validated name is used for; changes which names are allowed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,7 +36,7 @@ pub enum NameKind {
     PublishChannel,
     /// Any channel, dead-letter companions included (subscribe, read, store).
     Channel,
-    /// A local subscriber id: the `fed-` prefix is reserved.
+    /// A local subscriber id: the `fed-` and `hub-` prefixes are reserved.
     SubscriberId,
     /// A federation peer name (certificate CN) used in cursor file names.
     PeerName,
@@ -63,7 +65,7 @@ pub struct NameError {
 ///
 /// Allowed: 1 to 255 bytes of `A-Z a-z 0-9 . _ -`, not `.` or `..`. Channel
 /// names given to publish must not end in `.dead-letter`; subscriber ids must
-/// not start with `fed-` (those names belong to federation cursors).
+/// not start with `fed-` or `hub-` (those names belong to federation cursors).
 pub fn validate_name(kind: NameKind, name: &str) -> Result<(), NameError> {
     let fail = |reason: String| {
         Err(NameError {
@@ -96,9 +98,13 @@ pub fn validate_name(kind: NameKind, name: &str) -> Result<(), NameError> {
         NameKind::PublishChannel if name.ends_with(DEAD_LETTER_SUFFIX) => fail(format!(
             "'{DEAD_LETTER_SUFFIX}' channels are written only by the dead-letter mechanism"
         )),
-        NameKind::SubscriberId if name.starts_with(FED_CURSOR_PREFIX) => fail(format!(
-            "ids starting with '{FED_CURSOR_PREFIX}' are reserved for federation cursors"
-        )),
+        NameKind::SubscriberId
+            if name.starts_with(FED_CURSOR_PREFIX) || name.starts_with(HUB_CURSOR_PREFIX) =>
+        {
+            fail(format!(
+                "ids starting with '{FED_CURSOR_PREFIX}' or '{HUB_CURSOR_PREFIX}' are reserved for federation cursors"
+            ))
+        }
         _ => Ok(()),
     }
 }

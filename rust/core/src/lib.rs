@@ -3,8 +3,12 @@
 //! Pure Rust, no Python. The disk format is that of keyop-messenger 1.4
 //! (segment files of JSON-lines envelopes); see `envelope` and `storage`.
 
+pub mod audit;
+pub mod dedup;
 pub mod engine;
 pub mod envelope;
+pub mod federation;
+pub mod keygen;
 pub mod storage;
 pub mod subscribe;
 
@@ -28,6 +32,8 @@ pub enum Error {
     Config(String),
     #[error("{0}")]
     Subscription(String),
+    #[error("federation: {0}")]
+    Federation(String),
     #[error(transparent)]
     Storage(StorageError),
 }

@@ -20,6 +20,7 @@ pub enum Kind {
     Closed,
     Config,
     Subscription,
+    Federation,
 }
 
 impl Kind {
@@ -32,11 +33,13 @@ impl Kind {
             Kind::Closed => "ClosedError",
             Kind::Config => "ConfigError",
             Kind::Subscription => "SubscriptionError",
+            Kind::Federation => "FederationError",
         }
     }
 }
 
-static CLASSES: [PyOnceLock<Py<PyType>>; 7] = [
+static CLASSES: [PyOnceLock<Py<PyType>>; 8] = [
+    PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
@@ -73,6 +76,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Config(_) => Kind::Config,
         Error::Storage(_) => Kind::Storage,
         Error::Subscription(_) => Kind::Subscription,
+        Error::Federation(_) => Kind::Federation,
     };
     new_err(py, kind, e.to_string())
 }

@@ -301,6 +301,75 @@ impl PyEngine {
         Ok(d)
     }
 
+    /// Starts the hub and/or client links from a JSON document with the
+    /// fields of `keyop_core::federation::FedConfig`.
+    fn start_federation(&self, py: Python<'_>, settings_json: &str) -> PyResult<()> {
+        let cfg: keyop_core::federation::FedConfig = serde_json::from_str(settings_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("federation settings: {e}")))?;
+        py.detach(|| self.engine.start_federation(cfg)).py_err(py)
+    }
+
+    /// `(host, port)` the hub listens on, or None.
+    #[getter]
+    fn hub_address(&self) -> Option<(String, u16)> {
+        self.engine
+            .with_federation(|f| f.hub_addr())
+            .flatten()
+            .map(|a| (a.ip().to_string(), a.port()))
+    }
+
+    /// Federation state: `{"hub": {...} | None, "clients": [{...}]}`.
+    fn federation_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let d = PyDict::new(py);
+        d.set_item("hub", py.None())?;
+        d.set_item("clients", pyo3::types::PyList::empty(py))?;
+        let snapshot = self.engine.with_federation(|f| {
+            let hub = f.hub().map(|h| {
+                let c = h.counters();
+                (
+                    c.accepted.load(Relaxed),
+                    c.rejected.load(Relaxed),
+                    h.connected_peers(),
+                )
+            });
+            let clients: Vec<_> = f
+                .clients()
+                .iter()
+                .map(|c| {
+                    let s = c.status();
+                    (
+                        c.addr().to_owned(),
+                        s.connected.load(std::sync::atomic::Ordering::Acquire),
+                        s.reconnects.load(Relaxed),
+                        s.failed_attempts.load(Relaxed),
+                    )
+                })
+                .collect();
+            (hub, clients)
+        });
+        if let Some((hub, clients)) = snapshot {
+            if let Some((accepted, rejected, peers)) = hub {
+                let h = PyDict::new(py);
+                h.set_item("accepted", accepted)?;
+                h.set_item("rejected", rejected)?;
+                h.set_item("peers", peers)?;
+                d.set_item("hub", h)?;
+            }
+            let list = pyo3::types::PyList::empty(py);
+            for (addr, connected, reconnects, failed) in clients {
+                let c = PyDict::new(py);
+                c.set_item("addr", addr)?;
+                c.set_item("connected", connected)?;
+                c.set_item("reconnects", reconnects)?;
+                c.set_item("failed_attempts", failed)?;
+                list.append(c)?;
+            }
+            d.set_item("clients", list)?;
+        }
+        Ok(d)
+    }
+
     /// Flushes and closes every channel. Idempotent.
     fn close(&self, py: Python<'_>) {
         py.detach(|| self.engine.close());

@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime};
 
 use super::offsets::{list_offsets, read_offset, subscribers_dir};
 use super::segment::{list_segments, segment_path, sync_dir};
-use crate::envelope::{validate_name, NameKind, FED_CURSOR_PREFIX};
+use crate::envelope::{validate_name, NameKind, FED_CURSOR_PREFIX, HUB_CURSOR_PREFIX};
 
 /// Retention settings.
 #[derive(Debug, Clone, Copy, Default)]
@@ -55,7 +55,7 @@ pub fn compact_channel(
     let sub_dir = subscribers_dir(data_dir, channel);
     let mut min = u64::MAX;
     for (id, path) in list_offsets(&sub_dir)? {
-        let is_local = !id.starts_with(FED_CURSOR_PREFIX);
+        let is_local = !(id.starts_with(FED_CURSOR_PREFIX) || id.starts_with(HUB_CURSOR_PREFIX));
         if let (true, Some(ttl), false) = (is_local, cfg.stale_offset_ttl, active.contains(&id)) {
             let age = fs::metadata(&path)?
                 .modified()

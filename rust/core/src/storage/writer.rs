@@ -103,6 +103,8 @@ pub struct CommitNotifier {
     end: AtomicU64,
     state: Mutex<NotifyState>,
     cv: Condvar,
+    /// Wakes async readers (federation links).
+    async_wake: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -119,6 +121,7 @@ impl CommitNotifier {
 
     fn publish(&self, end: u64) {
         self.end.store(end, Ordering::Release);
+        self.async_wake.notify_waiters();
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if st.waiters > 0 {
             self.cv.notify_all();
@@ -129,6 +132,20 @@ impl CommitNotifier {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.closed = true;
         self.cv.notify_all();
+        self.async_wake.notify_waiters();
+    }
+
+    /// Async wait until the committed end passes `pos` (or a close). Returns
+    /// at once when it already has.
+    pub async fn changed_past(&self, pos: u64) {
+        let notified = self.async_wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.committed_end() > pos || self.state.lock().unwrap_or_else(|e| e.into_inner()).closed
+        {
+            return;
+        }
+        notified.await;
     }
 
     /// Waits until the committed end passes `pos`, the writer closes, or

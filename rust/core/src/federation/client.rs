@@ -1,0 +1,306 @@
+//! A client link: dials one hub with exponential backoff and jitter (also
+//! when the hub is down at startup, and also for subscribe-only links),
+//! forwards locally published messages of the `publish` channels from a
+//! persisted cursor, and stores what the hub streams for `subscribe`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use rustls::pki_types::ServerName;
+use rustls::ClientConfig;
+use tokio::net::TcpStream;
+use tokio::runtime::Runtime;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+
+use super::link::{self, Inbound, OutChannel};
+use super::wire::{Handshake, CLOSE_NOT_ALLOWED};
+use super::{HubEndpoint, Shared, HANDSHAKE_TIMEOUT};
+use crate::audit::AuditEvent;
+use crate::envelope::{validate_name, NameKind};
+use crate::storage::offsets::{read_offset, write_offset};
+use crate::storage::LogReader;
+
+/// State of one client link, readable from any thread.
+#[derive(Debug, Default)]
+pub struct LinkStatus {
+    pub connected: AtomicBool,
+    /// Successful connections after the first.
+    pub reconnects: AtomicU64,
+    pub connects: AtomicU64,
+    pub failed_attempts: AtomicU64,
+}
+
+/// A client link to one hub.
+pub struct ClientLink {
+    addr: String,
+    status: Arc<LinkStatus>,
+}
+
+impl ClientLink {
+    /// Creates the forwarding cursors (at the current end of each publish
+    /// channel, if new) and starts dialing.
+    pub fn start(
+        rt: &Runtime,
+        shared: Arc<Shared>,
+        ep: HubEndpoint,
+        tls: Arc<ClientConfig>,
+    ) -> Result<(ClientLink, tokio::task::JoinHandle<()>), String> {
+        if host_of(&ep.addr).is_none() {
+            return Err(format!("hub address {:?} is not host:port", ep.addr));
+        }
+        for channel in ep.publish.iter().chain(&ep.subscribe) {
+            validate_name(NameKind::Channel, channel).map_err(|e| e.to_string())?;
+        }
+        for channel in &ep.publish {
+            let writer = shared.store.writer(channel).map_err(|e| e.to_string())?;
+            let path = shared.client_cursor(channel, &ep.addr);
+            if read_offset(&path).map_err(|e| e.to_string())?.is_none() {
+                if let Some(dir) = path.parent() {
+                    crate::storage::segment::create_dir_all(dir).map_err(|e| e.to_string())?;
+                }
+                write_offset(&path, writer.committed_end()).map_err(|e| e.to_string())?;
+            }
+        }
+        let status = Arc::new(LinkStatus::default());
+        let task = rt.spawn(dial_loop(shared, ep.clone(), tls, status.clone()));
+        Ok((
+            ClientLink {
+                addr: ep.addr,
+                status,
+            },
+            task,
+        ))
+    }
+
+    /// The hub address dialed.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Connection state and counters.
+    pub fn status(&self) -> &LinkStatus {
+        &self.status
+    }
+}
+
+/// Host part of `host:port` or `[v6]:port`.
+fn host_of(addr: &str) -> Option<&str> {
+    let (host, port) = addr.rsplit_once(':')?;
+    port.parse::<u16>().ok()?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    (!host.is_empty()).then_some(host)
+}
+
+enum DialError {
+    Rejected,
+    Failed(String),
+}
+
+type HubStream = WebSocketStream<TlsStream<TcpStream>>;
+
+async fn connect_once(
+    shared: &Shared,
+    ep: &HubEndpoint,
+    tls: Arc<ClientConfig>,
+) -> Result<HubStream, DialError> {
+    let host = host_of(&ep.addr).unwrap_or_default().to_owned();
+    let server_name =
+        ServerName::try_from(host).map_err(|e| DialError::Failed(format!("bad hub host: {e}")))?;
+    let ws_cfg = WebSocketConfig::default()
+        .max_message_size(Some(link::max_message_size(shared.link.max_batch_bytes)));
+    let hello = Handshake::client(&shared.name, ep.subscribe.clone(), false).to_json();
+    let attempt = async {
+        let tcp = TcpStream::connect(&ep.addr)
+            .await
+            .map_err(|e| DialError::Failed(e.to_string()))?;
+        let _ = tcp.set_nodelay(true);
+        let tls = TlsConnector::from(tls)
+            .connect(server_name, tcp)
+            .await
+            .map_err(|e| DialError::Failed(format!("TLS: {e}")))?;
+        let (mut ws, _) = tokio_tungstenite::client_async_with_config(
+            format!("wss://{}/", ep.addr),
+            tls,
+            Some(ws_cfg),
+        )
+        .await
+        .map_err(|e| DialError::Failed(format!("WebSocket upgrade: {e}")))?;
+        ws.send(Message::Text(hello.into()))
+            .await
+            .map_err(|e| DialError::Failed(e.to_string()))?;
+        match ws.next().await {
+            Some(Ok(Message::Text(t))) => {
+                serde_json::from_str::<Handshake>(t.as_str())
+                    .map_err(|e| DialError::Failed(format!("bad hub handshake: {e}")))?;
+                Ok(ws)
+            }
+            Some(Ok(Message::Close(Some(f)))) if u16::from(f.code) == CLOSE_NOT_ALLOWED => {
+                Err(DialError::Rejected)
+            }
+            other => Err(DialError::Failed(format!(
+                "expected the hub handshake, got {other:?}"
+            ))),
+        }
+    };
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, attempt).await {
+        Ok(r) => r,
+        Err(_) => Err(DialError::Failed(format!(
+            "no hub handshake within {}s",
+            HANDSHAKE_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+fn open_channels(shared: &Shared, ep: &HubEndpoint) -> Result<Vec<OutChannel>, String> {
+    let mut out = Vec::new();
+    for channel in &ep.publish {
+        let writer = shared.store.writer(channel).map_err(|e| e.to_string())?;
+        let path = shared.client_cursor(channel, &ep.addr);
+        let end = writer.committed_end();
+        let start = read_offset(&path)
+            .map_err(|e| e.to_string())?
+            .unwrap_or(end)
+            .min(end);
+        out.push(OutChannel {
+            channel: channel.clone(),
+            reader: LogReader::new(writer.dir(), start),
+            writer,
+            cursor: Some(path),
+            only_origin: Some(shared.name.clone()),
+        });
+    }
+    Ok(out)
+}
+
+fn audit(shared: &Shared, event: &'static str, addr: &str, detail: String) {
+    let mut ev = AuditEvent::new(event);
+    ev.peer_addr = addr.to_owned();
+    ev.detail = detail;
+    shared.audit.log(ev);
+}
+
+/// `delay ± delay × jitter`, never negative.
+fn jittered(delay: Duration, jitter: f64) -> Duration {
+    let u: f64 = rand::random::<f64>() * 2.0 - 1.0;
+    delay.mul_f64((1.0 + jitter.clamp(0.0, 1.0) * u).max(0.0))
+}
+
+async fn dial_loop(
+    shared: Arc<Shared>,
+    ep: HubEndpoint,
+    tls: Arc<ClientConfig>,
+    status: Arc<LinkStatus>,
+) {
+    let base = Duration::from_millis(shared.link.reconnect_base_ms.max(1));
+    let max = Duration::from_millis(shared.link.reconnect_max_ms).max(base);
+    let mut delay = base;
+    let mut attempt: u64 = 0;
+    loop {
+        if shared.cancel.is_cancelled() {
+            return;
+        }
+        attempt += 1;
+        let connected = tokio::select! {
+            _ = shared.cancel.cancelled() => return,
+            r = connect_once(&shared, &ep, tls.clone()) => r,
+        };
+        match connected {
+            Ok(ws) => {
+                attempt = 0;
+                delay = base;
+                if status.connects.fetch_add(1, Ordering::Relaxed) > 0 {
+                    status.reconnects.fetch_add(1, Ordering::Relaxed);
+                }
+                status.connected.store(true, Ordering::Release);
+                audit(&shared, "peer_connected", &ep.addr, String::new());
+                log::info!("client: connected to hub {}", ep.addr);
+                let ended = match open_channels(&shared, &ep) {
+                    Ok(out) => {
+                        let inbound = Inbound {
+                            allow: (!ep.subscribe.is_empty())
+                                .then(|| ep.subscribe.iter().cloned().collect()),
+                            peer: ep.addr.clone(),
+                        };
+                        link::run(
+                            shared.clone(),
+                            ws,
+                            out,
+                            inbound,
+                            shared.cancel.child_token(),
+                        )
+                        .await
+                    }
+                    Err(e) => Some(e),
+                };
+                status.connected.store(false, Ordering::Release);
+                let Some(err) = ended else { return };
+                log::warn!("client: link to hub {} lost: {err}", ep.addr);
+                audit(&shared, "peer_disconnected", &ep.addr, format!("err={err}"));
+            }
+            Err(e) => {
+                status.failed_attempts.fetch_add(1, Ordering::Relaxed);
+                let text = match &e {
+                    DialError::Rejected => {
+                        "rejected by the hub: not in its allowed_peers".to_owned()
+                    }
+                    DialError::Failed(t) => t.clone(),
+                };
+                log::warn!(
+                    "client: cannot connect to hub {} (attempt {attempt}): {text}",
+                    ep.addr
+                );
+                audit(
+                    &shared,
+                    "peer_connect_failed",
+                    &ep.addr,
+                    format!("attempt={attempt} err={text}"),
+                );
+                // A rejection will not change until the hub's configuration does.
+                delay = if matches!(e, DialError::Rejected) {
+                    max
+                } else {
+                    delay
+                };
+            }
+        }
+        let sleep = jittered(delay, shared.link.reconnect_jitter);
+        tokio::select! {
+            _ = shared.cancel.cancelled() => return,
+            _ = tokio::time::sleep(sleep) => {}
+        }
+        delay = (delay * 2).min(max);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts() {
+        assert_eq!(host_of("hub1.example.net:7740"), Some("hub1.example.net"));
+        assert_eq!(host_of("127.0.0.1:1"), Some("127.0.0.1"));
+        assert_eq!(host_of("[::1]:7740"), Some("::1"));
+        assert_eq!(host_of("nohost"), None);
+        assert_eq!(host_of(":7740"), None);
+    }
+
+    #[test]
+    fn jitter_stays_in_range() {
+        let d = Duration::from_millis(1000);
+        for _ in 0..100 {
+            let j = jittered(d, 0.2);
+            assert!(j >= Duration::from_millis(800) && j <= Duration::from_millis(1200));
+        }
+        assert_eq!(jittered(d, 0.0), d);
+    }
+}

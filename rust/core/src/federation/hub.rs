@@ -1,0 +1,412 @@
+//! The hub: accepts TLS connections, upgrades them to WebSockets, checks the
+//! peer against `hub.allowed_peers`, then runs a link that stores what the
+//! peer publishes and streams its subscribed channels from `fed-<peer>`
+//! cursors (the backlog is sent at once, not on the next append).
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures_util::{SinkExt, StreamExt};
+use rustls::ServerConfig;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_util::sync::CancellationToken;
+
+use super::link::{self, Inbound, OutChannel};
+use super::wire::{Handshake, CLOSE_NOT_ALLOWED, CLOSE_NOT_ALLOWED_REASON};
+use super::{tls, AllowedPeer, FedError, HubSettings, Shared, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS};
+use crate::audit::AuditEvent;
+use crate::envelope::{validate_name, NameKind, FED_CURSOR_PREFIX};
+use crate::storage::offsets::{
+    list_offsets, offset_path, read_offset, subscribers_dir, write_offset,
+};
+use crate::storage::{compaction, LogReader};
+
+/// Counters of the hub listener.
+#[derive(Debug, Default)]
+pub struct HubCounters {
+    pub accepted: AtomicU64,
+    pub rejected: AtomicU64,
+}
+
+/// A running hub listener.
+pub struct Hub {
+    addr: SocketAddr,
+    counters: Arc<HubCounters>,
+    peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
+}
+
+struct HubState {
+    shared: Arc<Shared>,
+    cfg: HubSettings,
+    acceptor: TlsAcceptor,
+    counters: Arc<HubCounters>,
+    /// Connected peers: name -> (connection number, its cancel token).
+    peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
+    next_conn: AtomicU64,
+}
+
+impl Hub {
+    /// Binds `hub.listen_addr` and starts accepting, plus the cursor sweep.
+    pub async fn start(
+        shared: Arc<Shared>,
+        cfg: HubSettings,
+        tls: Arc<ServerConfig>,
+    ) -> Result<(Hub, Vec<tokio::task::JoinHandle<()>>), FedError> {
+        let listener = TcpListener::bind(&cfg.listen_addr)
+            .await
+            .map_err(|e| FedError::Listen {
+                addr: cfg.listen_addr.clone(),
+                reason: e.to_string(),
+            })?;
+        let addr = listener.local_addr().map_err(|e| FedError::Listen {
+            addr: cfg.listen_addr.clone(),
+            reason: e.to_string(),
+        })?;
+        log::info!("hub {:?} listening on {addr}", shared.name);
+        let counters = Arc::new(HubCounters::default());
+        let peers = Arc::new(Mutex::new(HashMap::new()));
+        let state = Arc::new(HubState {
+            shared: shared.clone(),
+            cfg,
+            acceptor: TlsAcceptor::from(tls),
+            counters: counters.clone(),
+            peers: peers.clone(),
+            next_conn: AtomicU64::new(1),
+        });
+        let mut tasks = vec![tokio::spawn(accept_loop(state.clone(), listener))];
+        if state.cfg.fed_client_offset_ttl_s >= 0.0 {
+            tasks.push(tokio::spawn(sweep_loop(state)));
+        }
+        Ok((
+            Hub {
+                addr,
+                counters,
+                peers,
+            },
+            tasks,
+        ))
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Accepted and rejected connection counts.
+    pub fn counters(&self) -> &HubCounters {
+        &self.counters
+    }
+
+    /// Names of the peers connected now.
+    pub fn connected_peers(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+async fn accept_loop(state: Arc<HubState>, listener: TcpListener) {
+    let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let cancel = state.shared.cancel.clone();
+    loop {
+        let (tcp, remote) = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(pair) => pair,
+                Err(e) => {
+                    log::warn!("hub: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            log::warn!("hub: refusing {remote}: {MAX_CONNECTIONS} connections already open");
+            continue;
+        };
+        let st = state.clone();
+        tokio::spawn(async move {
+            serve(st, tcp, remote).await;
+            drop(permit);
+        });
+    }
+}
+
+fn audit(shared: &Shared, event: &'static str, peer: &str, peer_addr: &str, detail: String) {
+    let mut ev = AuditEvent::new(event);
+    ev.peer = peer.to_owned();
+    ev.peer_addr = peer_addr.to_owned();
+    ev.detail = detail;
+    shared.audit.log(ev);
+}
+
+fn list_text(items: &[String]) -> String {
+    format!("[{}]", items.join(","))
+}
+
+/// Channels delivered to a peer: requested ∩ allowed (all requested when the
+/// peer's subscribe allowlist is empty), without duplicates.
+fn effective_subscription(requested: &[String], peer: &AllowedPeer) -> Vec<String> {
+    let mut seen = HashSet::new();
+    requested
+        .iter()
+        .filter(|c| peer.subscribe.is_empty() || peer.subscribe.contains(c))
+        .filter(|c| seen.insert((*c).clone()))
+        .cloned()
+        .collect()
+}
+
+async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
+    let shared = state.shared.clone();
+    let remote_s = remote.to_string();
+    let _ = tcp.set_nodelay(true);
+    let ws_cfg = WebSocketConfig::default()
+        .max_message_size(Some(link::max_message_size(shared.link.max_batch_bytes)));
+    // TLS, upgrade and the client's handshake must all arrive in time.
+    let opened = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+        let tls = state
+            .acceptor
+            .accept(tcp)
+            .await
+            .map_err(|e| format!("TLS handshake: {e}"))?;
+        let cn = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(|c| tls::peer_cn(c))
+            .ok_or_else(|| "client certificate has no subject CN".to_string())?;
+        let mut ws = tokio_tungstenite::accept_async_with_config(tls, Some(ws_cfg))
+            .await
+            .map_err(|e| format!("WebSocket upgrade: {e}"))?;
+        let first = ws.next().await;
+        let hello = match first {
+            Some(Ok(Message::Text(t))) => serde_json::from_str::<Handshake>(t.as_str())
+                .map_err(|e| format!("bad handshake JSON: {e}"))?,
+            other => return Err(format!("expected a text handshake, got {other:?}")),
+        };
+        Ok::<_, String>((ws, cn, hello))
+    })
+    .await;
+    let (mut ws, peer, hello) = match opened {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            log::info!("hub: connection from {remote} failed: {e}");
+            return;
+        }
+        Err(_) => {
+            log::info!("hub: connection from {remote} timed out before the handshake");
+            return;
+        }
+    };
+    let entry = state
+        .cfg
+        .allowed_peers
+        .iter()
+        .find(|p| p.name == peer)
+        .cloned();
+    let Some(entry) = entry.filter(|_| validate_name(NameKind::PeerName, &peer).is_ok()) else {
+        state.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        log::warn!("hub: rejected peer {peer:?} from {remote}: not in allowed_peers");
+        let close = CloseFrame {
+            code: CloseCode::from(CLOSE_NOT_ALLOWED),
+            reason: CLOSE_NOT_ALLOWED_REASON.into(),
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), ws.close(Some(close))).await;
+        audit(&shared, "client_rejected", &peer, "", String::new());
+        return;
+    };
+    if ws
+        .send(Message::Text(Handshake::hub(&shared.name).to_json().into()))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    state.counters.accepted.fetch_add(1, Ordering::Relaxed);
+    let subscription = effective_subscription(&hello.subscribe, &entry);
+    let mut detail = format!("addr={remote_s}");
+    if !subscription.is_empty() {
+        detail.push_str(&format!(" sub={}", list_text(&subscription)));
+    }
+    if !entry.publish.is_empty() {
+        detail.push_str(&format!(" pub={}", list_text(&entry.publish)));
+    }
+    let out = match open_channels(&shared, &peer, &subscription, hello.ephemeral).await {
+        Ok(out) => out,
+        Err(e) => {
+            log::error!("hub: cannot serve {peer:?}: {e}");
+            return;
+        }
+    };
+    // A newer connection of the same peer replaces the older one.
+    let conn = state.next_conn.fetch_add(1, Ordering::Relaxed);
+    let cancel = shared.cancel.child_token();
+    let older = state
+        .peers
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(peer.clone(), (conn, cancel.clone()));
+    if let Some((_, old)) = older {
+        log::warn!("hub: peer {peer:?} connected again; closing its older connection");
+        old.cancel();
+    }
+    audit(&shared, "client_connected", &peer, &remote_s, detail);
+    log::info!(
+        "hub: {} peer {peer:?} connected from {remote}",
+        if hello.ephemeral {
+            "ephemeral"
+        } else {
+            "durable"
+        }
+    );
+    let started = Instant::now();
+    let inbound = Inbound {
+        allow: (!entry.publish.is_empty()).then(|| entry.publish.iter().cloned().collect()),
+        peer: peer.clone(),
+    };
+    let ended = link::run(shared.clone(), ws, out, inbound, cancel).await;
+    {
+        let mut peers = state.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if peers.get(&peer).is_some_and(|(c, _)| *c == conn) {
+            peers.remove(&peer);
+        }
+    }
+    let mut detail = format!("duration={:.3}s", started.elapsed().as_secs_f64());
+    if let Some(err) = ended {
+        detail.push_str(&format!(" err={err}"));
+    }
+    audit(&shared, "peer_disconnected", &peer, &remote_s, detail);
+}
+
+/// Readers for the effective subscription, at each `fed-<peer>` cursor
+/// (created at the current end if absent). Ephemeral peers get no cursor
+/// files: they start at the end and keep their position in memory.
+async fn open_channels(
+    shared: &Arc<Shared>,
+    peer: &str,
+    channels: &[String],
+    ephemeral: bool,
+) -> Result<Vec<OutChannel>, String> {
+    let mut out = Vec::new();
+    for channel in channels {
+        if let Err(e) = validate_name(NameKind::Channel, channel) {
+            log::warn!("hub: peer {peer:?} asked for an invalid channel: {e}");
+            continue;
+        }
+        let store = shared.store.clone();
+        let (ch, p, data_dir) = (
+            channel.clone(),
+            peer.to_owned(),
+            shared.store.data_dir().to_owned(),
+        );
+        let opened = tokio::task::spawn_blocking(move || -> Result<OutChannel, String> {
+            let writer = store.writer(&ch).map_err(|e| e.to_string())?;
+            let end = writer.committed_end();
+            let cursor = (!ephemeral).then(|| {
+                offset_path(
+                    &subscribers_dir(&data_dir, &ch),
+                    &format!("{FED_CURSOR_PREFIX}{p}"),
+                )
+            });
+            let start = match &cursor {
+                Some(path) => {
+                    let stored = read_offset(path).map_err(|e| e.to_string())?;
+                    let start = stored.map_or(end, |s| s.min(end));
+                    if let Some(dir) = path.parent() {
+                        crate::storage::segment::create_dir_all(dir).map_err(|e| e.to_string())?;
+                    }
+                    write_offset(path, start).map_err(|e| e.to_string())?;
+                    start
+                }
+                None => end,
+            };
+            Ok(OutChannel {
+                channel: ch,
+                reader: LogReader::new(writer.dir(), start),
+                writer,
+                cursor,
+                only_origin: None,
+            })
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        out.push(opened);
+    }
+    Ok(out)
+}
+
+/// Deletes `fed-*.offset` cursors older than the TTL, except those of peers
+/// connected now (the original swept live peers too).
+async fn sweep_loop(state: Arc<HubState>) {
+    let ttl = Duration::from_secs_f64(state.cfg.fed_client_offset_ttl_s.max(1.0));
+    let every = if ttl < Duration::from_secs(3600) {
+        (ttl / 2).max(Duration::from_secs(60))
+    } else {
+        Duration::from_secs(3600)
+    };
+    loop {
+        tokio::select! {
+            _ = state.shared.cancel.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let connected: HashSet<String> = state
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        let root = state.shared.store.data_dir().to_owned();
+        let _ = tokio::task::spawn_blocking(move || sweep(&root, ttl, &connected)).await;
+    }
+}
+
+/// One cursor sweep over every channel of `root`; returns the files removed.
+pub fn sweep(
+    root: &std::path::Path,
+    ttl: Duration,
+    connected: &HashSet<String>,
+) -> Vec<std::path::PathBuf> {
+    let mut removed = Vec::new();
+    let Ok(channels) = compaction::list_channels(root) else {
+        return removed;
+    };
+    for channel in channels {
+        let Ok(files) = list_offsets(&subscribers_dir(root, &channel)) else {
+            continue;
+        };
+        for (id, path) in files {
+            let Some(peer) = id.strip_prefix(FED_CURSOR_PREFIX) else {
+                continue;
+            };
+            if connected.contains(peer) {
+                continue;
+            }
+            let age = std::fs::metadata(&path)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|m| SystemTime::now().duration_since(m).ok())
+                .unwrap_or_default();
+            if age > ttl && std::fs::remove_file(&path).is_ok() {
+                log::info!("hub: removed stale federation cursor {}", path.display());
+                removed.push(path);
+            }
+        }
+    }
+    removed
+}

@@ -1,0 +1,384 @@
+//! One established federation connection, after the handshake: the reader
+//! (batches in, acknowledgements of our batches), the sender (stop-and-wait
+//! batches out from persisted cursors) and a keepalive pinger. Every write
+//! goes through one lock, so acknowledgements and batches never interleave.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::stream::{SplitSink, SplitStream};
+use futures_util::{SinkExt, StreamExt};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{mpsc, Mutex};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+use tokio_util::sync::CancellationToken;
+
+use super::wire::{push_record, split_batch, Ack};
+use super::{Shared, ACK_TIMEOUT, PING_INTERVAL, READ_TIMEOUT};
+use crate::audit::AuditEvent;
+use crate::envelope::{validate_name, Envelope, NameKind, MAX_RECORD_BYTES};
+use crate::storage::offsets::write_offset;
+use crate::storage::{ChannelWriter, Item, LogReader};
+
+type Sink<S> = Arc<Mutex<SplitSink<WebSocketStream<S>, Message>>>;
+
+/// Largest WebSocket message accepted: a full batch plus one maximal record.
+pub fn max_message_size(max_batch_bytes: usize) -> usize {
+    max_batch_bytes
+        .saturating_add(MAX_RECORD_BYTES)
+        .saturating_add(64 * 1024)
+}
+
+/// One channel this side sends from.
+pub struct OutChannel {
+    pub channel: String,
+    pub writer: Arc<ChannelWriter>,
+    pub reader: LogReader,
+    /// Persisted cursor; `None` keeps the position in memory only.
+    pub cursor: Option<PathBuf>,
+    /// Forward only records with this origin (a client forwards only what
+    /// was published locally).
+    pub only_origin: Option<String>,
+}
+
+struct Batch {
+    body: Vec<u8>,
+    ids: Vec<String>,
+    end: u64,
+}
+
+impl OutChannel {
+    /// Collects records from the cursor while their JSON fits in
+    /// `max_bytes` (the first one always goes).
+    fn read_batch(&mut self, max_bytes: usize) -> std::io::Result<Batch> {
+        let limit = self.writer.committed_end();
+        let mut body = Vec::new();
+        let mut ids = Vec::new();
+        let mut json_bytes = 0;
+        loop {
+            let before = self.reader.position();
+            let Some(item) = self.reader.next_item(limit)? else {
+                break;
+            };
+            let Item::Record { line, .. } = item else {
+                continue;
+            };
+            let Ok(env) = Envelope::decode(&line) else {
+                continue;
+            };
+            if self.only_origin.as_ref().is_some_and(|o| *o != env.origin) {
+                continue;
+            }
+            if !ids.is_empty() && json_bytes + line.len() > max_bytes {
+                self.reader.seek(before);
+                break;
+            }
+            push_record(&mut body, &line);
+            json_bytes += line.len();
+            ids.push(env.id);
+            if json_bytes >= max_bytes {
+                break;
+            }
+        }
+        Ok(Batch {
+            body,
+            ids,
+            end: self.reader.position(),
+        })
+    }
+}
+
+/// What the receiving side accepts and how it is labelled in the audit log.
+pub struct Inbound {
+    /// Channels accepted; `None` accepts any.
+    pub allow: Option<HashSet<String>>,
+    /// `peer` in audit records.
+    pub peer: String,
+}
+
+/// Runs a connection until it fails, the peer goes away, or `cancel` fires.
+/// Returns the reason it ended (for the audit log), or `None` on cancel.
+pub async fn run<S>(
+    shared: Arc<Shared>,
+    ws: WebSocketStream<S>,
+    out: Vec<OutChannel>,
+    inbound: Inbound,
+    cancel: CancellationToken,
+) -> Option<String>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (sink, stream) = ws.split();
+    let sink: Sink<S> = Arc::new(Mutex::new(sink));
+    let (ack_tx, ack_rx) = mpsc::channel::<()>(4);
+    let sender = tokio::spawn(send_loop(
+        shared.clone(),
+        sink.clone(),
+        out,
+        ack_rx,
+        cancel.clone(),
+        inbound.peer.clone(),
+    ));
+    let pinger = tokio::spawn(ping_loop(sink.clone(), cancel.clone()));
+    let read_result = read_loop(&shared, stream, &sink, &inbound, ack_tx, &cancel).await;
+    cancel.cancel();
+    let send_result = sender
+        .await
+        .unwrap_or_else(|e| Some(format!("sender task failed: {e}")));
+    let _ = pinger.await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        sink.lock().await.close().await
+    })
+    .await;
+    if shared.cancel.is_cancelled() {
+        return None;
+    }
+    read_result.or(send_result)
+}
+
+async fn read_loop<S>(
+    shared: &Arc<Shared>,
+    mut stream: SplitStream<WebSocketStream<S>>,
+    sink: &Sink<S>,
+    inbound: &Inbound,
+    ack_tx: mpsc::Sender<()>,
+    cancel: &CancellationToken,
+) -> Option<String>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    loop {
+        let next = tokio::select! {
+            _ = cancel.cancelled() => return None,
+            r = tokio::time::timeout(READ_TIMEOUT, stream.next()) => r,
+        };
+        let msg = match next {
+            Err(_) => return Some(format!("nothing received for {}s", READ_TIMEOUT.as_secs())),
+            Ok(None) => return Some("connection closed".into()),
+            Ok(Some(Err(e))) => return Some(e.to_string()),
+            Ok(Some(Ok(m))) => m,
+        };
+        match msg {
+            Message::Binary(body) => {
+                let last_id = match receive_batch(shared, inbound, &body).await {
+                    Ok(id) => id,
+                    Err(e) => return Some(e),
+                };
+                let ack = Message::Text(Ack { last_id }.to_json().into());
+                if let Err(e) = sink.lock().await.send(ack).await {
+                    return Some(format!("cannot send acknowledgement: {e}"));
+                }
+            }
+            Message::Text(_) => {
+                // The acknowledgement of our outstanding batch; extra ones are dropped.
+                let _ = ack_tx.try_send(());
+            }
+            Message::Close(_) => return Some("peer closed the connection".into()),
+            _ => {}
+        }
+    }
+}
+
+/// Stores a received batch: each record is parsed, deduplicated, checked
+/// against the policy and appended (one commit per channel per batch); ids
+/// are marked seen and audited only once committed. A failed append ends
+/// the connection without acknowledging, so the peer sends the batch again.
+async fn receive_batch(
+    shared: &Arc<Shared>,
+    inbound: &Inbound,
+    body: &[u8],
+) -> Result<String, String> {
+    let records = split_batch(body).map_err(|e| e.to_string())?;
+    let limit = shared.link.max_batch_bytes.max(MAX_RECORD_BYTES - 1);
+    let mut last_id = String::new();
+    let mut in_batch: HashSet<String> = HashSet::new();
+    // Per channel, in order of first appearance: (channel, lines, ids).
+    let mut groups: Vec<(String, Vec<u8>, Vec<String>)> = Vec::new();
+    for rec in records {
+        if rec.len() > limit {
+            log::error!(
+                "{}: dropped a {}-byte record over the size limit",
+                inbound.peer,
+                rec.len()
+            );
+            continue;
+        }
+        let env = match Envelope::decode(rec) {
+            Ok(e) => e,
+            Err(e) => {
+                log::warn!("{}: skipped an unreadable record: {e}", inbound.peer);
+                continue;
+            }
+        };
+        if env.id.is_empty() || in_batch.contains(&env.id) || shared.seen.contains(&env.id) {
+            continue;
+        }
+        let allowed = validate_name(NameKind::Channel, &env.channel).is_ok()
+            && inbound
+                .allow
+                .as_ref()
+                .is_none_or(|a| a.contains(&env.channel));
+        if !allowed {
+            log::warn!(
+                "{}: policy violation: channel {:?} not allowed",
+                inbound.peer,
+                env.channel
+            );
+            let mut ev = AuditEvent::new("policy_violation");
+            ev.message_id = env.id.clone();
+            ev.channel = env.channel.clone();
+            ev.direction = "inbound".into();
+            ev.peer = inbound.peer.clone();
+            shared.audit.log(ev);
+            last_id = env.id;
+            continue;
+        }
+        // Store the received bytes verbatim unless they are not one line.
+        let line = if rec.contains(&b'\n') || rec.contains(&b'\r') {
+            env.encode()
+        } else {
+            let mut l = Vec::with_capacity(rec.len() + 1);
+            l.extend_from_slice(rec);
+            l.push(b'\n');
+            l
+        };
+        in_batch.insert(env.id.clone());
+        match groups.iter_mut().find(|g| g.0 == env.channel) {
+            Some(g) => {
+                g.1.extend_from_slice(&line);
+                g.2.push(env.id);
+            }
+            None => groups.push((env.channel, line, vec![env.id])),
+        }
+    }
+    for (channel, lines, ids) in groups {
+        let store = shared.store.clone();
+        let n = ids.len() as u64;
+        let ch = channel.clone();
+        let committed = tokio::task::spawn_blocking(move || store.writer(&ch)?.append(&lines, n))
+            .await
+            .map_err(|e| format!("store task failed: {e}"))?;
+        if let Err(e) = committed {
+            return Err(format!(
+                "cannot store {n} records on channel {channel:?}: {e}"
+            ));
+        }
+        for id in &ids {
+            shared.seen.insert(id);
+            let mut ev = AuditEvent::new("forward");
+            ev.message_id = id.clone();
+            ev.channel = channel.clone();
+            ev.direction = "inbound".into();
+            ev.peer = inbound.peer.clone();
+            shared.audit.log(ev);
+        }
+        last_id = ids.last().cloned().unwrap_or(last_id);
+    }
+    Ok(last_id)
+}
+
+async fn send_loop<S>(
+    shared: Arc<Shared>,
+    sink: Sink<S>,
+    mut chans: Vec<OutChannel>,
+    mut acks: mpsc::Receiver<()>,
+    cancel: CancellationToken,
+    peer: String,
+) -> Option<String>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let max_bytes = shared.link.max_batch_bytes.max(1);
+    let mut positions: Vec<u64> = chans.iter().map(|c| c.reader.position()).collect();
+    loop {
+        if cancel.is_cancelled() {
+            return None;
+        }
+        let mut sent = false;
+        for (i, ch) in chans.iter_mut().enumerate() {
+            let batch = match tokio::task::block_in_place(|| ch.read_batch(max_bytes)) {
+                Ok(b) => b,
+                Err(e) => {
+                    log::error!("channel {:?}: cannot read for federation: {e}", ch.channel);
+                    continue;
+                }
+            };
+            if !batch.ids.is_empty() {
+                let msg = Message::Binary(batch.body.into());
+                if let Err(e) = sink.lock().await.send(msg).await {
+                    cancel.cancel();
+                    return Some(format!("cannot send a batch: {e}"));
+                }
+                tokio::select! {
+                    _ = cancel.cancelled() => return None,
+                    r = tokio::time::timeout(ACK_TIMEOUT, acks.recv()) => match r {
+                        Ok(Some(())) => {}
+                        Ok(None) => return None,
+                        Err(_) => {
+                            cancel.cancel();
+                            return Some(format!("no acknowledgement within {}s", ACK_TIMEOUT.as_secs()));
+                        }
+                    }
+                }
+                for id in &batch.ids {
+                    let mut ev = AuditEvent::new("forward");
+                    ev.message_id = id.clone();
+                    ev.channel = ch.channel.clone();
+                    ev.direction = "outbound".into();
+                    ev.peer = peer.clone();
+                    shared.audit.log(ev);
+                }
+                sent = true;
+            }
+            if batch.end != positions[i] {
+                positions[i] = batch.end;
+                if let Some(path) = &ch.cursor {
+                    if let Err(e) = tokio::task::block_in_place(|| write_offset(path, batch.end)) {
+                        log::error!("cannot persist federation cursor {}: {e}", path.display());
+                    }
+                }
+            }
+        }
+        if sent {
+            continue;
+        }
+        let waits: Vec<_> = chans
+            .iter()
+            .map(|c| Box::pin(c.writer.notifier().changed_past(c.reader.position())))
+            .collect();
+        if waits.is_empty() {
+            cancel.cancelled().await;
+            return None;
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return None,
+            _ = futures_util::future::select_all(waits) => {}
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+async fn ping_loop<S>(sink: Sink<S>, cancel: CancellationToken)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(PING_INTERVAL) => {}
+        }
+        if sink
+            .lock()
+            .await
+            .send(Message::Ping(Vec::new().into()))
+            .await
+            .is_err()
+        {
+            cancel.cancel();
+            return;
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! Federation: clients dial hubs over WebSockets with mutual TLS and
+//! exchange batches of envelopes (the protocol of keyop-messenger 1.4).
+//!
+//! Everything runs on one tokio runtime per process, created on first use and
+//! re-created in a forked child (PID check). Both directions are driven by
+//! persisted cursors over the channel files: the hub streams each subscribed
+//! channel to a client from `fed-<peer>.offset`, and a client forwards its
+//! locally published messages from `hub-<addr>.offset`, so nothing published
+//! while a link is down is lost.
+
+pub mod client;
+pub mod hub;
+pub mod link;
+pub mod tls;
+pub mod wire;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tokio::runtime::Runtime;
+use tokio_util::sync::CancellationToken;
+
+use crate::audit::AuditLog;
+use crate::dedup::SeenIds;
+use crate::storage::Store;
+
+/// Errors starting federation.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FedError {
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error("hub: cannot listen on {addr}: {reason}")]
+    Listen { addr: String, reason: String },
+    #[error("{0}")]
+    Config(String),
+    #[error("cannot start the federation runtime: {0}")]
+    Runtime(String),
+}
+
+/// `tls` section.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct TlsSettings {
+    pub cert: String,
+    pub key: String,
+    pub ca: String,
+    pub min_version: String,
+    pub expiry_warn_days: i64,
+}
+
+/// One `hub.allowed_peers` entry.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct AllowedPeer {
+    pub name: String,
+    pub subscribe: Vec<String>,
+    pub publish: Vec<String>,
+}
+
+/// `hub` section.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct HubSettings {
+    pub enabled: bool,
+    pub listen_addr: String,
+    pub allowed_peers: Vec<AllowedPeer>,
+    /// Cursor TTL in seconds; negative disables the sweep.
+    pub fed_client_offset_ttl_s: f64,
+}
+
+/// One `client.hubs` entry.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct HubEndpoint {
+    pub addr: String,
+    pub subscribe: Vec<String>,
+    pub publish: Vec<String>,
+}
+
+/// `client` section.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct ClientSettings {
+    pub enabled: bool,
+    pub hubs: Vec<HubEndpoint>,
+}
+
+/// `federation` section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct LinkSettings {
+    pub reconnect_base_ms: u64,
+    pub reconnect_max_ms: u64,
+    pub reconnect_jitter: f64,
+    pub max_batch_bytes: usize,
+}
+
+impl Default for LinkSettings {
+    fn default() -> Self {
+        LinkSettings {
+            reconnect_base_ms: 500,
+            reconnect_max_ms: 60_000,
+            reconnect_jitter: 0.2,
+            max_batch_bytes: 4 * 1024 * 1024,
+        }
+    }
+}
+
+/// Everything federation needs from the configuration.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct FedConfig {
+    pub name: String,
+    pub hub: HubSettings,
+    pub client: ClientSettings,
+    pub tls: TlsSettings,
+    pub federation: LinkSettings,
+    pub seen_id_lru_size: usize,
+    pub audit_max_size_mb: u64,
+    pub audit_max_files: u32,
+}
+
+/// Liveness settings (not configurable in 1.4; fixed here).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Interval of WebSocket pings on an idle link.
+pub const PING_INTERVAL: Duration = Duration::from_secs(15);
+/// A link with nothing received for this long is dead.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(45);
+/// How long a sender waits for the acknowledgement of a batch.
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(60);
+/// Most concurrent connections a hub serves.
+pub const MAX_CONNECTIONS: usize = 1024;
+
+static RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
+
+/// The process's federation runtime, created lazily; a forked child gets a
+/// fresh one (the parent's threads do not exist there).
+pub fn runtime() -> Result<Arc<Runtime>, FedError> {
+    let mut slot = RUNTIME.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if let Some((owner, rt)) = slot.as_ref() {
+        if *owner == pid {
+            return Ok(rt.clone());
+        }
+    }
+    if let Some((_, inherited)) = slot.take() {
+        // Its worker threads died with the fork; dropping it would wait for them.
+        std::mem::forget(inherited);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("keyop-fed")
+        .enable_all()
+        .build()
+        .map_err(|e| FedError::Runtime(e.to_string()))?;
+    let rt = Arc::new(rt);
+    *slot = Some((pid, rt.clone()));
+    Ok(rt)
+}
+
+/// State shared by every federation task of an instance.
+pub struct Shared {
+    pub name: String,
+    pub store: Arc<Store>,
+    pub seen: Arc<SeenIds>,
+    pub audit: Arc<AuditLog>,
+    pub link: LinkSettings,
+    pub cancel: CancellationToken,
+}
+
+impl Shared {
+    /// Where a client keeps its forwarding cursor for `hub_addr` on `channel`.
+    pub fn client_cursor(&self, channel: &str, hub_addr: &str) -> PathBuf {
+        crate::storage::offsets::offset_path(
+            &crate::storage::offsets::subscribers_dir(self.store.data_dir(), channel),
+            &client_cursor_id(hub_addr),
+        )
+    }
+}
+
+/// Offset-file id of a client's forwarding cursor towards `hub_addr`
+/// (`hub-` plus the address with characters outside the name rule as `_`).
+pub fn client_cursor_id(hub_addr: &str) -> String {
+    let clean: String = hub_addr
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{}{clean}", crate::envelope::HUB_CURSOR_PREFIX)
+}
+
+/// A running federation: a hub listener and/or client links.
+pub struct Federation {
+    rt: Arc<Runtime>,
+    shared: Arc<Shared>,
+    hub: Option<hub::Hub>,
+    clients: Vec<client::ClientLink>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Federation {
+    /// Starts the hub (binding its listener now, so errors surface here) and
+    /// the client links (which keep dialing in the background: a hub that is
+    /// down does not make this fail).
+    pub fn start(
+        store: Arc<Store>,
+        seen: Arc<SeenIds>,
+        cfg: FedConfig,
+    ) -> Result<Federation, FedError> {
+        if cfg.name.is_empty() {
+            return Err(FedError::Config("instance name must not be empty".into()));
+        }
+        let material = if cfg.hub.enabled || cfg.client.enabled {
+            let m = tls::TlsMaterial::load(&cfg.tls)?;
+            if m.own_cn().as_deref() != Some(cfg.name.as_str()) {
+                log::warn!(
+                    "instance name {:?} differs from the certificate CN {:?}; hubs identify this instance by the CN",
+                    cfg.name,
+                    m.own_cn().unwrap_or_default()
+                );
+            }
+            m.warn_expiry(cfg.tls.expiry_warn_days, &cfg.tls.ca);
+            Some(m)
+        } else {
+            None
+        };
+        let audit = AuditLog::open(store.data_dir(), cfg.audit_max_size_mb, cfg.audit_max_files)
+            .map_err(|e| FedError::Config(format!("cannot open the audit log: {e}")))?;
+        let rt = runtime()?;
+        let shared = Arc::new(Shared {
+            name: cfg.name.clone(),
+            store,
+            seen,
+            audit: Arc::new(audit),
+            link: cfg.federation.clone(),
+            cancel: CancellationToken::new(),
+        });
+        let mut fed = Federation {
+            rt: rt.clone(),
+            shared: shared.clone(),
+            hub: None,
+            clients: Vec::new(),
+            tasks: Vec::new(),
+        };
+        if let (true, Some(m)) = (cfg.hub.enabled, material.as_ref()) {
+            let server = m
+                .server_config()
+                .map_err(|e| FedError::Tls(e.to_string()))?;
+            let (hub, tasks) =
+                rt.block_on(hub::Hub::start(shared.clone(), cfg.hub.clone(), server))?;
+            fed.hub = Some(hub);
+            fed.tasks.extend(tasks);
+        }
+        if let (true, Some(m)) = (cfg.client.enabled, material.as_ref()) {
+            let client_tls = m
+                .client_config()
+                .map_err(|e| FedError::Tls(e.to_string()))?;
+            for ep in &cfg.client.hubs {
+                let (link, task) =
+                    client::ClientLink::start(&rt, shared.clone(), ep.clone(), client_tls.clone())
+                        .map_err(|e| {
+                            FedError::Config(format!("client link to {}: {e}", ep.addr))
+                        })?;
+                fed.clients.push(link);
+                fed.tasks.push(task);
+            }
+        }
+        Ok(fed)
+    }
+
+    /// The address the hub listens on (useful with port 0).
+    pub fn hub_addr(&self) -> Option<std::net::SocketAddr> {
+        self.hub.as_ref().map(|h| h.local_addr())
+    }
+
+    /// The hub, if enabled.
+    pub fn hub(&self) -> Option<&hub::Hub> {
+        self.hub.as_ref()
+    }
+
+    /// Client links, one per configured hub.
+    pub fn clients(&self) -> &[client::ClientLink] {
+        &self.clients
+    }
+
+    /// Stops every task and closes every connection (bounded wait), then the audit log.
+    pub fn stop(&mut self) {
+        self.shared.cancel.cancel();
+        let tasks = std::mem::take(&mut self.tasks);
+        self.rt.block_on(async {
+            for t in tasks {
+                let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+            }
+        });
+        self.shared.audit.close();
+    }
+}
+
+impl Drop for Federation {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
