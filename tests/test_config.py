@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from keyop_messenger.config import (
     DEFAULT_FED_CLIENT_OFFSET_TTL,
     AllowedPeer,
@@ -326,7 +327,9 @@ def test_ttl_bad_values_reported(raw: Any, fragment: str) -> None:
 
 
 def test_ttl_from_yaml_unquoted(tmp_path: Path) -> None:
-    path = write(tmp_path, "name: a\nstorage: {data_dir: /d}\nhub:\n  fed_client_offset_ttl: 1h30m\n")
+    path = write(
+        tmp_path, "name: a\nstorage: {data_dir: /d}\nhub:\n  fed_client_offset_ttl: 1h30m\n"
+    )
     assert load_config(path).hub.fed_client_offset_ttl == td(minutes=90)
 
 

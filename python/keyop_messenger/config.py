@@ -477,7 +477,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise ConfigError([f"{name}: configuration file is empty"])
     if not isinstance(document, Mapping):
         kind = _describe(document)
-        raise ConfigError([f"{name}: the top level must be a mapping of keys to values, got {kind}"])
+        raise ConfigError(
+            [f"{name}: the top level must be a mapping of keys to values, got {kind}"]
+        )
     return Config.from_dict(document)
 
 

@@ -8,15 +8,15 @@ engine's errors are mapped onto these classes in one place (the binding's
 from __future__ import annotations
 
 __all__ = [
-    "KeyopError",
-    "ConfigError",
-    "InvalidNameError",
-    "PayloadTypeError",
-    "MessageTooLargeError",
-    "StorageError",
     "ClosedError",
-    "SubscriptionError",
+    "ConfigError",
     "FederationError",
+    "InvalidNameError",
+    "KeyopError",
+    "MessageTooLargeError",
+    "PayloadTypeError",
+    "StorageError",
+    "SubscriptionError",
 ]
 
 

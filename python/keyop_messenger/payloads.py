@@ -54,7 +54,7 @@ def to_plain(value: Any) -> Any:
 
 
 class _Entry:
-    __slots__ = ("cls", "decode", "check")
+    __slots__ = ("check", "cls", "decode")
 
     def __init__(
         self, cls: type, check: Callable[[Any], bool], decode: Callable[[Any], Any]

@@ -43,6 +43,37 @@ impl AuditEvent {
     }
 }
 
+/// A duration rounded to milliseconds in Go's `time.Duration` text form, as
+/// 1.4 writes it in `peer_disconnected` details: `0s`, `63ms`, `1.5s`,
+/// `7m59.5s`, `1h0m0s`.
+pub fn go_duration(d: std::time::Duration) -> String {
+    let ms = (d.as_micros() + 500) / 1000;
+    if ms == 0 {
+        return "0s".into();
+    }
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (h, rest) = (ms / 3_600_000, ms % 3_600_000);
+    let (m, rest) = (rest / 60_000, rest % 60_000);
+    let (sec, frac) = (rest / 1000, rest % 1000);
+    let mut out = String::new();
+    if h > 0 {
+        out.push_str(&format!("{h}h"));
+    }
+    if h > 0 || m > 0 {
+        out.push_str(&format!("{m}m"));
+    }
+    out.push_str(&sec.to_string());
+    if frac > 0 {
+        let f = format!("{frac:03}");
+        out.push('.');
+        out.push_str(f.trim_end_matches('0'));
+    }
+    out.push('s');
+    out
+}
+
 struct Live {
     file: File,
     size: u64,
@@ -136,6 +167,17 @@ impl AuditLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_read_like_go() {
+        use std::time::Duration as D;
+        assert_eq!(go_duration(D::ZERO), "0s");
+        assert_eq!(go_duration(D::from_micros(63_400)), "63ms");
+        assert_eq!(go_duration(D::from_millis(1500)), "1.5s");
+        assert_eq!(go_duration(D::from_millis(62_345)), "1m2.345s");
+        assert_eq!(go_duration(D::from_millis(479_500)), "7m59.5s");
+        assert_eq!(go_duration(D::from_secs(3600)), "1h0m0s");
+    }
 
     #[test]
     fn records_and_rotation() {

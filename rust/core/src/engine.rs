@@ -180,17 +180,19 @@ impl Engine {
             .collect())
     }
 
-    /// A reader of `channel` from global offset `from`, and the limit up to
-    /// which it may read (the committed end).
-    pub fn reader(
-        &self,
-        channel: &str,
-        from: u64,
-    ) -> Result<(LogReader, Arc<ChannelWriter>), Error> {
+    /// A reader of `channel` from global offset `from`, and the channel's
+    /// writer when the channel exists (its committed end limits reads).
+    /// Reading never creates a channel.
+    pub fn reader(&self, channel: &str, from: u64) -> Result<(LogReader, Option<Arc<ChannelWriter>>), Error> {
         self.check_open()?;
         validate_name(NameKind::Channel, channel)?;
-        let writer = self.store.writer(channel)?;
-        Ok((LogReader::new(writer.dir(), from), writer))
+        let dir = self.store.channel_dir(channel)?;
+        let writer = if dir.is_dir() {
+            Some(self.store.writer(channel)?)
+        } else {
+            None
+        };
+        Ok((LogReader::new(dir, from), writer))
     }
 
     fn subs(&self) -> std::sync::MutexGuard<'_, HashMap<SubscriberKey, Arc<Subscriber>>> {

@@ -63,7 +63,7 @@ pub struct NameError {
 
 /// Checks a name that will become (part of) a path under `data_dir`.
 ///
-/// Allowed: 1 to 255 bytes of `A-Z a-z 0-9 . _ -`, not `.` or `..`. Channel
+/// Allowed: 1 to [`max_len`] bytes of `A-Z a-z 0-9 . _ -`, not `.` or `..`. Channel
 /// names given to publish must not end in `.dead-letter`; subscriber ids must
 /// not start with `fed-` or `hub-` (those names belong to federation cursors).
 pub fn validate_name(kind: NameKind, name: &str) -> Result<(), NameError> {
@@ -77,11 +77,9 @@ pub fn validate_name(kind: NameKind, name: &str) -> Result<(), NameError> {
     if name.is_empty() {
         return fail("must not be empty".into());
     }
-    if name.len() > MAX_NAME_BYTES {
-        return fail(format!(
-            "is {} bytes long; at most {MAX_NAME_BYTES} are allowed",
-            name.len()
-        ));
+    let max = max_len(kind);
+    if name.len() > max {
+        return fail(format!("is {} bytes long; at most {max} are allowed", name.len()));
     }
     if let Some(bad) = name
         .chars()
@@ -106,6 +104,20 @@ pub fn validate_name(kind: NameKind, name: &str) -> Result<(), NameError> {
             ))
         }
         _ => Ok(()),
+    }
+}
+
+/// Longest name of a kind, so that every file name derived from it fits the
+/// 255-byte limit of file systems: a publishable channel leaves room for its
+/// `.dead-letter` companion, a subscriber id for `.offset.tmp`, a peer name
+/// for `fed-` and `.offset.tmp`.
+pub fn max_len(kind: NameKind) -> usize {
+    const TMP_OFFSET: usize = ".offset.tmp".len();
+    match kind {
+        NameKind::Channel => MAX_NAME_BYTES,
+        NameKind::PublishChannel => MAX_NAME_BYTES - DEAD_LETTER_SUFFIX.len(),
+        NameKind::SubscriberId => MAX_NAME_BYTES - TMP_OFFSET,
+        NameKind::PeerName => MAX_NAME_BYTES - FED_CURSOR_PREFIX.len() - TMP_OFFSET,
     }
 }
 
@@ -348,6 +360,10 @@ mod tests {
             assert!(validate_name(NameKind::Channel, bad).is_err(), "{bad:?}");
         }
         validate_name(NameKind::Channel, &"x".repeat(255)).unwrap();
+        validate_name(NameKind::PublishChannel, &"x".repeat(243)).unwrap();
+        assert!(validate_name(NameKind::PublishChannel, &"x".repeat(244)).is_err());
+        validate_name(NameKind::SubscriberId, &"x".repeat(244)).unwrap();
+        assert!(validate_name(NameKind::SubscriberId, &"x".repeat(245)).is_err());
         assert!(validate_name(NameKind::PublishChannel, "x.dead-letter").is_err());
         assert!(validate_name(NameKind::SubscriberId, "fed-hub").is_err());
         validate_name(NameKind::Channel, "fed-hub").unwrap();

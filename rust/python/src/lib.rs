@@ -5,6 +5,7 @@
 
 mod errors;
 mod json;
+mod keygen;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -159,7 +160,7 @@ impl PyEngine {
     /// Committed end (global byte offset) of `channel`.
     fn stream_end(&self, py: Python<'_>, channel: &str) -> PyResult<u64> {
         let (_, writer) = py.detach(|| self.engine.reader(channel, 0)).py_err(py)?;
-        Ok(writer.committed_end())
+        Ok(writer.map_or(0, |w| w.committed_end()))
     }
 
     /// Reads committed records of `channel` from `start_offset`.
@@ -169,8 +170,8 @@ impl PyEngine {
             .detach(|| self.engine.reader(channel, start_offset))
             .py_err(py)?;
         Ok(RecordIter {
+            limit: Limit::Committed(writer),
             reader,
-            writer: Some(writer),
         })
     }
 
@@ -493,8 +494,16 @@ impl PyEngine {
 #[pyclass(module = "keyop_messenger._core")]
 struct RecordIter {
     reader: LogReader,
-    /// Limits reads to committed records when the channel is open for writing.
-    writer: Option<Arc<ChannelWriter>>,
+    limit: Limit,
+}
+
+/// How far a [`RecordIter`] may read.
+enum Limit {
+    /// Up to the committed end of this messenger's writer (none: the channel
+    /// does not exist, so there is nothing to read).
+    Committed(Option<Arc<ChannelWriter>>),
+    /// A directory no writer of ours owns: every complete line.
+    Complete,
 }
 
 #[pymethods]
@@ -504,7 +513,10 @@ impl RecordIter {
     }
 
     fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Row>> {
-        let limit = self.writer.as_ref().map_or(u64::MAX, |w| w.committed_end());
+        let limit = match &self.limit {
+            Limit::Committed(w) => w.as_ref().map_or(0, |w| w.committed_end()),
+            Limit::Complete => u64::MAX,
+        };
         let reader = &mut self.reader;
         py.detach(|| -> std::io::Result<Option<Row>> {
             loop {
@@ -570,7 +582,7 @@ fn read_channel(
     let reader = keyop_core::read_channel(&data_dir, channel, start_offset).py_err(py)?;
     Ok(RecordIter {
         reader,
-        writer: None,
+        limit: Limit::Complete,
     })
 }
 
@@ -580,6 +592,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RecordIter>()?;
     m.add_class::<Subscription>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
+    keygen::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_RECORD_BYTES", keyop_core::envelope::MAX_RECORD_BYTES)?;
     Ok(())

@@ -286,7 +286,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
             peers.remove(&peer);
         }
     }
-    let mut detail = format!("duration={:.3}s", started.elapsed().as_secs_f64());
+    let mut detail = format!("duration={}", crate::audit::go_duration(started.elapsed()));
     if let Some(err) = ended {
         detail.push_str(&format!(" err={err}"));
     }
