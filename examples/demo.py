@@ -1,14 +1,26 @@
-"""keyop-messenger demo: durable publish on a local channel, then read it back.
+"""keyop-messenger demo: two instances federating over mutual TLS on localhost.
 
-Runs in a temporary data directory and removes it afterwards.
+1. Makes a CA and two instance certificates with the built-in keygen.
+2. Starts a hub ("demo-hub") on 127.0.0.1 (a free port) that lets the sensor
+   publish `temps` and receive `commands`.
+3. Starts a client ("demo-sensor") that dials the hub, publishes readings
+   durably on `temps` and subscribes to `commands`.
+4. Shows what each side received and the hub's audit log, then cleans up.
+
+Everything lives in a temporary directory that is removed at the end.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
+import threading
+import time
+from pathlib import Path
 
 import keyop_messenger as km
+from keyop_messenger import cli
 
 
 @dataclasses.dataclass
@@ -17,27 +29,96 @@ class Reading:
     celsius: float
 
 
+def make_pki(d: Path) -> None:
+    """CA plus one certificate per instance (CN = instance name)."""
+    print("$ keyop-messenger keygen ca")
+    cli.main(["keygen", "ca", "--out-cert", f"{d}/ca.crt", "--out-key", f"{d}/ca.key"])
+    for name in ("demo-hub", "demo-sensor"):
+        print(f"$ keyop-messenger keygen instance --name {name}")
+        cli.main([
+            "keygen", "instance", "--ca", f"{d}/ca.crt", "--ca-key", f"{d}/ca.key",
+            "--name", name, "--san", "localhost", "--san", "127.0.0.1",
+            "--out-cert", f"{d}/{name}.crt", "--out-key", f"{d}/{name}.key",
+        ])  # fmt: skip
+
+
+def tls(d: Path, name: str) -> dict[str, str]:
+    return {"cert": f"{d}/{name}.crt", "key": f"{d}/{name}.key", "ca": f"{d}/ca.crt"}
+
+
+def wait_for(what: str, done: threading.Event, seconds: float = 15.0) -> None:
+    if not done.wait(seconds):
+        raise SystemExit(f"demo failed: {what} did not arrive within {seconds:.0f} s")
+
+
 def main() -> None:
-    with tempfile.TemporaryDirectory(prefix="keyop-demo-") as data_dir:
-        config = km.Config.from_dict({"name": "demo-node", "storage": {"data_dir": data_dir}})
-        with km.Messenger(config) as messenger:
-            messenger.register_payload_type("demo.Reading", Reading)
-            with km.context(service_name="demo", correlation_id="run-1"):
-                first = messenger.publish("temps", "demo.Reading", Reading("kitchen", 21.5))
-                rest = messenger.publish_batch(
-                    "temps",
-                    [("demo.Reading", Reading(f"room-{i}", 19.0 + i)) for i in range(3)],
-                )
-            print(f"published {1 + len(rest)} messages (durable, fsynced); first id {first}")
-            for entry in messenger.read_channel("temps"):
-                m = entry.message
-                print(
-                    f"  @{entry.offset:<5} {m.timestamp:%H:%M:%S.%f} {m.origin}/{m.service_name} "
-                    f"{m.payload_type} {m.payload}"
-                )
-        print("segment file:")
-        with open(f"{data_dir}/channels/temps/00000000000000000000.jsonl") as f:
-            print("  " + f.readline().strip())
+    with tempfile.TemporaryDirectory(prefix="keyop-demo-") as tmp:
+        d = Path(tmp)
+        make_pki(d)
+        hub = km.Messenger(km.Config.from_dict({
+            "name": "demo-hub",
+            "storage": {"data_dir": f"{d}/hub"},
+            "hub": {
+                "enabled": True,
+                "listen_addr": "127.0.0.1:0",
+                "allowed_peers": [
+                    {"name": "demo-sensor", "publish": ["temps"], "subscribe": ["commands"]}
+                ],
+            },
+            "tls": tls(d, "demo-hub"),
+        }))  # fmt: skip
+        host, port = hub.hub_address or ("", 0)
+        print(f"\nhub 'demo-hub' listening on {host}:{port} (TLS 1.3, client certs required)")
+        sensor = km.Messenger(km.Config.from_dict({
+            "name": "demo-sensor",
+            "storage": {"data_dir": f"{d}/sensor"},
+            "client": {
+                "enabled": True,
+                "hubs": [
+                    {"addr": f"127.0.0.1:{port}", "publish": ["temps"], "subscribe": ["commands"]}
+                ],
+            },
+            "tls": tls(d, "demo-sensor"),
+            "federation": {"reconnect_base_ms": 100},
+        }))  # fmt: skip
+        try:
+            readings: list[km.Message] = []
+            all_readings, command_seen = threading.Event(), threading.Event()
+
+            def on_reading(m: km.Message) -> None:
+                readings.append(m)
+                print(f"  hub    <- {m.channel}: {m.payload} from {m.origin}")
+                if len(readings) == 5:
+                    all_readings.set()
+
+            def on_command(m: km.Message) -> None:
+                print(f"  sensor <- {m.channel}: {m.payload} from {m.origin}")
+                command_seen.set()
+
+            hub.register_payload_type("demo.Reading", Reading)
+            hub.subscribe("temps", "dashboard", on_reading)
+            sensor.subscribe("commands", "actuator", on_command)
+
+            print("\nsensor publishes 5 readings (each fsynced before publish returns):")
+            with km.context(service_name="thermometer"):
+                for i in range(5):
+                    sensor.publish("temps", "demo.Reading", Reading("kitchen", 20.0 + i / 2))
+            wait_for("the readings", all_readings)
+
+            print("\nhub publishes a command for the sensor:")
+            hub.publish("commands", "demo.Command", {"action": "calibrate"})
+            wait_for("the command", command_seen)
+
+            time.sleep(0.2)  # let the last audit records land
+            print("\nhub audit log (audit/audit.jsonl):")
+            for line in (d / "hub" / "audit" / "audit.jsonl").read_text().splitlines():
+                rec = json.loads(line)
+                print("  " + " ".join(f"{k}={v}" for k, v in rec.items() if k != "ts"))
+            print("\nfederation:", json.dumps(sensor.federation_status()["clients"]))
+        finally:
+            sensor.close()
+            hub.close()
+    print("\ndemo finished: 5 readings and 1 command crossed the mTLS link")
 
 
 if __name__ == "__main__":
