@@ -183,7 +183,11 @@ impl Engine {
     /// A reader of `channel` from global offset `from`, and the channel's
     /// writer when the channel exists (its committed end limits reads).
     /// Reading never creates a channel.
-    pub fn reader(&self, channel: &str, from: u64) -> Result<(LogReader, Option<Arc<ChannelWriter>>), Error> {
+    pub fn reader(
+        &self,
+        channel: &str,
+        from: u64,
+    ) -> Result<(LogReader, Option<Arc<ChannelWriter>>), Error> {
         self.check_open()?;
         validate_name(NameKind::Channel, channel)?;
         let dir = self.store.channel_dir(channel)?;

@@ -79,7 +79,10 @@ pub fn validate_name(kind: NameKind, name: &str) -> Result<(), NameError> {
     }
     let max = max_len(kind);
     if name.len() > max {
-        return fail(format!("is {} bytes long; at most {max} are allowed", name.len()));
+        return fail(format!(
+            "is {} bytes long; at most {max} are allowed",
+            name.len()
+        ));
     }
     if let Some(bad) = name
         .chars()
