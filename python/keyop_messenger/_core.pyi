@@ -1,6 +1,6 @@
 """Type stubs of the compiled engine module (kept in step with rust/python/src/lib.rs)."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from os import PathLike
 from typing import Any, final
 
@@ -10,14 +10,17 @@ __all__ = [
     "RecordIter",
     "Subscription",
     "__version__",
+    "inspect_cert",
+    "keygen_ca",
+    "keygen_instance",
     "read_channel",
 ]
 
 __version__: str
 MAX_RECORD_BYTES: int
 
-_Row = tuple[int, int, str, int, str, str, str, str | None, str | None, str]
-_DeliveryRow = tuple[int, str, int, str, str, str, str | None, str | None, str]
+_Row = tuple[int, int, str, int, str, str, str, str | None, str | None, Any]
+_DeliveryRow = tuple[int, str, int, str, str, str, str | None, str | None, Any]
 
 @final
 class Engine:
@@ -96,3 +99,20 @@ class Subscription:
 def read_channel(
     data_dir: str | PathLike[str], channel: str, start_offset: int = 0
 ) -> RecordIter: ...
+def keygen_ca(
+    out_cert: str | PathLike[str] = ...,
+    out_key: str | PathLike[str] = ...,
+    days: int = ...,
+    force: bool = False,
+) -> str: ...
+def keygen_instance(
+    ca: str | PathLike[str],
+    ca_key: str | PathLike[str],
+    name: str,
+    out_cert: str | PathLike[str] | None = None,
+    out_key: str | PathLike[str] | None = None,
+    days: int = ...,
+    force: bool = False,
+    sans: Sequence[str] = ...,
+) -> str: ...
+def inspect_cert(path: str | PathLike[str]) -> str: ...

@@ -98,15 +98,6 @@ def _missing_required(args: argparse.Namespace) -> None:
         raise _UsageError(f"required flag(s) {names} not set")
 
 
-def _error_text(err: Exception) -> str:
-    """The message of ``err`` without the generic prefix of ``ConfigError``."""
-    from .errors import ConfigError
-
-    if isinstance(err, ConfigError):
-        return "; ".join(err.problems)
-    return str(err)
-
-
 def _run(args: argparse.Namespace) -> int:
     if args.command == "version":
         from . import __version__
@@ -152,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help
         return exit_.code if isinstance(exit_.code, int) else 0
     except (_UsageError, KeyopError, OSError) as err:
-        print(f"Error: {_error_text(err)}", file=sys.stderr)
+        print(f"Error: {err}", file=sys.stderr)
         return 1
 
 

@@ -70,3 +70,8 @@ class FederationError(KeyopError, RuntimeError):
     """Federation could not start: unusable TLS material, a listen address in
     use, or an invalid hub address. (A hub that is down is not an error: the
     client keeps dialing it in the background.)"""
+
+
+class CertificateError(KeyopError, ValueError):
+    """A certificate or key given to ``keyop-messenger keygen`` is unusable (not a
+    CA, wrong key type, key does not match), or an argument is invalid."""

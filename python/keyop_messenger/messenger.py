@@ -17,7 +17,7 @@ from .config import Config, load_config
 from .context import current_context
 from .message import LogEntry, entry_from_row
 from .payloads import PayloadRegistry, to_plain
-from .subscription import Handler, Subscription, make_deliver
+from .subscription import Deliverer, Handler, Subscription
 
 __all__ = ["Messenger", "read_channel"]
 
@@ -53,6 +53,7 @@ class Messenger:
         self._registry = PayloadRegistry()
         self._lock = threading.Lock()
         self._closed = False
+        self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
         storage = config.storage
         self._engine = _core.Engine(
             storage.data_dir,
@@ -164,15 +165,17 @@ class Messenger:
         starting with ``fed-`` are reserved) and :class:`SubscriptionError` if
         the id is already subscribed to the channel.
         """
-        deliver = make_deliver(handler, self._registry, channel, subscriber_id)
+        deliverer = Deliverer(handler, self._registry, channel, subscriber_id)
         core = self._engine.subscribe(
             channel,
             subscriber_id,
-            deliver,
+            deliverer,
             max_retries=self._config.subscribers.max_retries,
             offset_flush_interval_ms=self._config.storage.offset_flush_interval_ms,
         )
-        return Subscription(core)
+        subscription = Subscription(core, deliverer)
+        self._subscriptions.add(subscription)
+        return subscription
 
     def unsubscribe(self, channel: str, subscriber_id: str) -> None:
         """Stops ``subscriber_id`` (if running) and deletes its offset file, so
@@ -210,6 +213,8 @@ class Messenger:
                 return
             self._closed = True
         _OPEN.discard(self)
+        for subscription in list(self._subscriptions):
+            subscription._deliverer.stop()
         self._engine.close()
 
     def __enter__(self) -> Messenger:

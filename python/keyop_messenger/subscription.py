@@ -12,7 +12,7 @@ from .errors import PayloadTypeError
 from .message import Message, message_from_parts
 from .payloads import PayloadRegistry
 
-__all__ = ["Handler", "Subscription"]
+__all__ = ["Deliverer", "Handler", "Subscription"]
 
 log = logging.getLogger("keyop_messenger")
 
@@ -22,39 +22,56 @@ Handler = Callable[[Message], Any]
 _Failure = tuple[bool, str] | None
 
 
-def make_deliver(
-    handler: Handler, registry: PayloadRegistry, channel: str, subscriber_id: str
-) -> Callable[[list[tuple[Any, ...]]], tuple[int, _Failure]]:
+class Deliverer:
     """The batch function the engine calls (GIL held, engine thread): it
-    decodes and hands each row to ``handler`` in order and reports how many
-    were handled and why the next one failed."""
+    decodes each row and hands it to ``handler`` in order, and reports how
+    many were handled and why the next one failed. Once ``stop()`` is called
+    it hands over no further message, so closing waits at most for the
+    handler call in progress."""
 
-    def deliver(rows: list[tuple[Any, ...]]) -> tuple[int, _Failure]:
+    __slots__ = ("_channel", "_handler", "_id", "_registry", "stopped")
+
+    def __init__(
+        self, handler: Handler, registry: PayloadRegistry, channel: str, subscriber_id: str
+    ) -> None:
+        self._handler = handler
+        self._registry = registry
+        self._channel = channel
+        self._id = subscriber_id
+        self.stopped = False
+
+    def stop(self) -> None:
+        """Hands no further message to the handler."""
+        self.stopped = True
+
+    def __call__(self, rows: list[tuple[Any, ...]]) -> tuple[int, _Failure]:
+        handler, registry = self._handler, self._registry
         for i, (_offset, *fields) in enumerate(rows):
+            if self.stopped:
+                return i, None
             try:
                 message = message_from_parts(*fields, registry)
             except (PayloadTypeError, ValueError) as exc:
-                log.warning("%s/%s: undecodable message %s: %s", channel, subscriber_id,
+                log.warning("%s/%s: undecodable message %s: %s", self._channel, self._id,
                             fields[0], exc)
                 return i, (True, str(exc))
             try:
                 handler(message)
             except Exception as exc:
-                log.warning("%s/%s: handler failed on %s: %r", channel, subscriber_id,
+                log.warning("%s/%s: handler failed on %s: %r", self._channel, self._id,
                             message.id, exc)
                 log.debug("handler traceback", exc_info=True)
                 return i, (False, f"{type(exc).__name__}: {exc}")
         return len(rows), None
-
-    return deliver
 
 
 class Subscription:
     """A running subscription. ``close()`` stops delivery and keeps the
     subscriber's offset, so subscribing again with the same id resumes."""
 
-    def __init__(self, core: _core.Subscription) -> None:
+    def __init__(self, core: _core.Subscription, deliverer: Deliverer) -> None:
         self._core = core
+        self._deliverer = deliverer
 
     @property
     def channel(self) -> str:
@@ -74,6 +91,7 @@ class Subscription:
     def close(self) -> None:
         """Stops delivery after the handler call in progress (if any) and
         persists the offset. Idempotent; may be called from the handler."""
+        self._deliverer.stop()
         self._core.close()
 
     def __enter__(self) -> Subscription:

@@ -248,6 +248,19 @@ impl Engine {
         Ok(sub)
     }
 
+    /// Stops `sub` (its offset is kept) and forgets it, unless another
+    /// subscription has replaced it under the same id. Idempotent.
+    pub fn release(&self, sub: &Arc<Subscriber>) {
+        let key = (sub.channel().to_owned(), sub.id().to_owned());
+        {
+            let mut subs = self.subs();
+            if subs.get(&key).is_some_and(|s| Arc::ptr_eq(s, sub)) {
+                subs.remove(&key);
+            }
+        }
+        sub.stop();
+    }
+
     /// Stops subscriber `id` of `channel` (its offset is kept). Returns
     /// false when it was not subscribed.
     pub fn stop_subscriber(&self, channel: &str, id: &str) -> bool {

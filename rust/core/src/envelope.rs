@@ -170,7 +170,7 @@ fn write_ts(out: &mut String, dt: &DateTime<Utc>) {
     let mut nanos = dt.nanosecond().min(999_999_999);
     if nanos != 0 {
         let mut width = 9;
-        while nanos % 10 == 0 {
+        while nanos.is_multiple_of(10) {
             nanos /= 10;
             width -= 1;
         }

@@ -55,7 +55,9 @@ pub struct BatchOutcome {
 
 /// Application code receiving deliveries, in order.
 pub trait Handler: Send + 'static {
-    /// Handles `batch` in order, stopping at the first failure.
+    /// Handles `batch` in order, stopping at the first failure. A handler
+    /// may also stop early without a failure when its subscription is being
+    /// stopped; the records it did not handle stay unacknowledged.
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome;
 }
 
@@ -391,6 +393,10 @@ impl<H: Handler> Worker<H> {
                 self.ack(r.offset + r.line.len() as u64 + 1);
             }
             rest = &rest[handled..];
+            if self.stop.is_set() {
+                // Stopped while handling: what was not handled stays unacknowledged.
+                return rest.is_empty();
+            }
             let Some(failure) = out.failure else {
                 if handled == 0 && !rest.is_empty() {
                     // A handler that neither handles nor fails: treat as a failure.

@@ -554,6 +554,7 @@ fn engine_appends_to_a_directory_written_by_go() {
 
     // Everything readable through the engine, up to its committed end.
     let (mut reader, writer) = engine.reader("alerts", 0).expect("engine reader");
+    let writer = writer.expect("the channel exists");
     assert_eq!(writer.committed_end(), end + new_line.len() as u64 + 1);
     let got = records(read_until(&mut reader, writer.committed_end()));
     assert_eq!(got.len(), old_lines.len() + 1);

@@ -21,6 +21,7 @@ pub enum Kind {
     Config,
     Subscription,
     Federation,
+    Certificate,
 }
 
 impl Kind {
@@ -34,11 +35,13 @@ impl Kind {
             Kind::Config => "ConfigError",
             Kind::Subscription => "SubscriptionError",
             Kind::Federation => "FederationError",
+            Kind::Certificate => "CertificateError",
         }
     }
 }
 
-static CLASSES: [PyOnceLock<Py<PyType>>; 8] = [
+static CLASSES: [PyOnceLock<Py<PyType>>; 9] = [
+    PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
@@ -77,6 +80,17 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Storage(_) => Kind::Storage,
         Error::Subscription(_) => Kind::Subscription,
         Error::Federation(_) => Kind::Federation,
+    };
+    new_err(py, kind, e.to_string())
+}
+
+/// Maps a certificate-tool error: file-system failures are storage errors,
+/// everything else (bad input, unusable CA or key) a certificate error.
+pub fn keygen_to_py(py: Python<'_>, e: keyop_core::keygen::KeygenError) -> PyErr {
+    let kind = if e.is_io() {
+        Kind::Storage
+    } else {
+        Kind::Certificate
     };
     new_err(py, kind, e.to_string())
 }

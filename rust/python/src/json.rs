@@ -121,3 +121,65 @@ fn write_seq<'py>(
     out.push(b']');
     Ok(())
 }
+
+/// Builds Python objects from JSON text (the reverse of [`write_json`]):
+/// objects become dicts, arrays lists, numbers int or float.
+pub fn json_to_py<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
+    if has_long_digit_run(text) {
+        // Integers beyond 64 bits keep every digit through Python's parser.
+        return py.import("json")?.call_method1("loads", (text,));
+    }
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| type_err(py, format!("payload is not valid JSON: {e}")))?;
+    value_to_py(py, &value)
+}
+
+fn value_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use pyo3::IntoPyObjectExt;
+    use serde_json::Value;
+    Ok(match v {
+        Value::Null => py.None().into_bound(py),
+        Value::Bool(b) => b.into_bound_py_any(py)?,
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                i.into_bound_py_any(py)?
+            } else if let Some(u) = n.as_u64() {
+                u.into_bound_py_any(py)?
+            } else {
+                n.as_f64().unwrap_or(f64::NAN).into_bound_py_any(py)?
+            }
+        }
+        Value::String(s) => PyString::new(py, s).into_any(),
+        Value::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(value_to_py(py, item)?)?;
+            }
+            list.into_any()
+        }
+        Value::Object(map) => {
+            let dict = PyDict::new(py);
+            for (k, item) in map {
+                dict.set_item(k, value_to_py(py, item)?)?;
+            }
+            dict.into_any()
+        }
+    })
+}
+
+/// Whether `text` holds 20 or more consecutive digits (a number that may not
+/// fit in 64 bits).
+fn has_long_digit_run(text: &str) -> bool {
+    let mut run = 0;
+    for b in text.bytes() {
+        if b.is_ascii_digit() {
+            run += 1;
+            if run >= 20 {
+                return true;
+            }
+        } else {
+            run = 0;
+        }
+    }
+    false
+}

@@ -3,22 +3,13 @@
 
 use std::path::PathBuf;
 
-use keyop_core::keygen::{self, InstanceRequest, KeygenError};
+use keyop_core::keygen::{self, InstanceRequest};
 use pyo3::prelude::*;
 
-use crate::errors::{new_err, Kind};
+use crate::errors::keygen_to_py;
 
 /// File-system failures become `StorageError`; bad input material or
 /// parameters become `ConfigError`.
-fn to_py(py: Python<'_>, e: KeygenError) -> PyErr {
-    let kind = if e.is_io() {
-        Kind::Storage
-    } else {
-        Kind::Config
-    };
-    new_err(py, kind, e.to_string())
-}
-
 /// Creates a self-signed CA (ECDSA P-384) and writes its certificate and key
 /// (mode 0600); returns the four-line summary that `keygen ca` prints.
 #[pyfunction]
@@ -32,7 +23,7 @@ fn keygen_ca(
 ) -> PyResult<String> {
     py.detach(|| keygen::keygen_ca(&out_cert, &out_key, days, force))
         .map(|s| s.to_string())
-        .map_err(|e| to_py(py, e))
+        .map_err(|e| keygen_to_py(py, e))
 }
 
 /// Creates an instance certificate for `name` signed by the CA and writes it
@@ -64,7 +55,7 @@ fn keygen_instance(
     };
     py.detach(|| keygen::keygen_instance(&req))
         .map(|s| s.to_string())
-        .map_err(|e| to_py(py, e))
+        .map_err(|e| keygen_to_py(py, e))
 }
 
 /// Describes every certificate in the file (PEM, or one DER certificate):
@@ -80,7 +71,7 @@ fn inspect_cert(py: Python<'_>, path: PathBuf) -> PyResult<String> {
                 .collect::<Vec<_>>()
                 .join("\n\n")
         })
-        .map_err(|e| to_py(py, e))
+        .map_err(|e| keygen_to_py(py, e))
 }
 
 /// Adds the keygen functions to the module.

@@ -29,8 +29,8 @@ struct PyEngine {
 
 /// One message read from a channel, as a plain tuple:
 /// `(offset, segment, id, ts_nanos, channel, origin, payload_type,
-///   service_name, correlation_id, payload_json)`.
-type Row = (
+///   service_name, correlation_id, payload)`; the payload is decoded JSON.
+type Row<'py> = (
     u64,
     u64,
     String,
@@ -40,7 +40,7 @@ type Row = (
     String,
     Option<String>,
     Option<String>,
-    String,
+    Bound<'py, PyAny>,
 );
 
 fn encode_payload(
@@ -389,7 +389,9 @@ struct PyHandler {
     deliver: Py<PyAny>,
 }
 
-type DeliveryRow<'a> = (
+/// `(offset, id, ts_nanos, channel, origin, payload_type, service_name,
+/// correlation_id, payload)`; the payload is decoded JSON.
+type DeliveryRow<'a, 'py> = (
     u64,
     &'a str,
     i64,
@@ -398,17 +400,17 @@ type DeliveryRow<'a> = (
     &'a str,
     Option<&'a str>,
     Option<&'a str>,
-    &'a str,
+    Bound<'py, PyAny>,
 );
 
 impl Handler for PyHandler {
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
         Python::attach(|py| {
-            let rows: Vec<DeliveryRow<'_>> = batch
+            let rows: PyResult<Vec<DeliveryRow<'_, '_>>> = batch
                 .iter()
                 .map(|d| {
                     let e = &d.envelope;
-                    (
+                    Ok((
                         d.offset,
                         e.id.as_str(),
                         e.ts_nanos,
@@ -417,13 +419,12 @@ impl Handler for PyHandler {
                         e.payload_type.as_str(),
                         e.service_name.as_deref(),
                         e.correlation_id.as_deref(),
-                        e.payload.get(),
-                    )
+                        json::json_to_py(py, e.payload.get())?,
+                    ))
                 })
                 .collect();
-            let result = self
-                .deliver
-                .call1(py, (rows,))
+            let result = rows
+                .and_then(|rows| self.deliver.call1(py, (rows,)))
                 .and_then(|r| r.extract::<(usize, Option<(bool, String)>)>(py));
             match result {
                 Ok((handled, failure)) => BatchOutcome {
@@ -475,11 +476,7 @@ impl Subscription {
     /// Stops delivery (a handler call in progress finishes first) and
     /// persists the offset. Idempotent; safe to call from the handler.
     fn close(&self, py: Python<'_>) {
-        py.detach(|| {
-            self.engine
-                .stop_subscriber(self.sub.channel(), self.sub.id());
-            self.sub.stop();
-        });
+        py.detach(|| self.engine.release(&self.sub));
     }
 }
 
@@ -512,54 +509,58 @@ impl RecordIter {
         slf
     }
 
-    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Row>> {
+    fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Row<'py>>> {
         let limit = match &self.limit {
             Limit::Committed(w) => w.as_ref().map_or(0, |w| w.committed_end()),
             Limit::Complete => u64::MAX,
         };
         let reader = &mut self.reader;
-        py.detach(|| -> std::io::Result<Option<Row>> {
-            loop {
-                let Some(item) = reader.next_item(limit)? else {
-                    return Ok(None);
-                };
-                let Item::Record {
-                    offset,
-                    segment,
-                    line,
-                } = item
-                else {
-                    continue;
-                };
-                match Envelope::decode(&line) {
-                    Ok(e) => {
-                        return Ok(Some((
-                            offset,
-                            segment,
-                            e.id,
-                            e.ts_nanos,
-                            e.channel,
-                            e.origin,
-                            e.payload_type,
-                            e.service_name,
-                            e.correlation_id,
-                            e.payload.get().to_owned(),
-                        )))
+        let found = py
+            .detach(|| -> std::io::Result<Option<(u64, u64, Envelope)>> {
+                loop {
+                    let Some(item) = reader.next_item(limit)? else {
+                        return Ok(None);
+                    };
+                    let Item::Record {
+                        offset,
+                        segment,
+                        line,
+                    } = item
+                    else {
+                        continue;
+                    };
+                    match Envelope::decode(&line) {
+                        Ok(e) => return Ok(Some((offset, segment, e))),
+                        Err(err) => log::warn!(
+                            "{}: skipped unreadable record at offset {offset}: {err}",
+                            reader.dir().display()
+                        ),
                     }
-                    Err(err) => log::warn!(
-                        "{}: skipped unreadable record at offset {offset}: {err}",
-                        reader.dir().display()
-                    ),
                 }
-            }
-        })
-        .map_err(|e| {
-            new_err(
-                py,
-                Kind::Storage,
-                format!("cannot read {}: {e}", self.reader.dir().display()),
-            )
-        })
+            })
+            .map_err(|e| {
+                new_err(
+                    py,
+                    Kind::Storage,
+                    format!("cannot read {}: {e}", self.reader.dir().display()),
+                )
+            })?;
+        let Some((offset, segment, e)) = found else {
+            return Ok(None);
+        };
+        let payload = json::json_to_py(py, e.payload.get())?;
+        Ok(Some((
+            offset,
+            segment,
+            e.id,
+            e.ts_nanos,
+            e.channel,
+            e.origin,
+            e.payload_type,
+            e.service_name,
+            e.correlation_id,
+            payload,
+        )))
     }
 
     /// Global offset of the next record.

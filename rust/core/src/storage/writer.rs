@@ -111,6 +111,8 @@ pub struct CommitNotifier {
 struct NotifyState {
     waiters: usize,
     closed: bool,
+    /// Bumped by [`CommitNotifier::wake_all`] so waiters return at once.
+    kicks: u64,
 }
 
 impl CommitNotifier {
@@ -154,10 +156,11 @@ impl CommitNotifier {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if self.committed_end() <= pos && !st.closed {
             st.waiters += 1;
+            let kicks = st.kicks;
             let (mut g, _) = self
                 .cv
                 .wait_timeout_while(st, timeout, |s| {
-                    !s.closed && self.end.load(Ordering::Acquire) <= pos
+                    !s.closed && s.kicks == kicks && self.end.load(Ordering::Acquire) <= pos
                 })
                 .unwrap_or_else(|e| e.into_inner());
             g.waiters -= 1;
@@ -167,7 +170,8 @@ impl CommitNotifier {
 
     /// Wakes every waiter without a new commit (used when stopping readers).
     pub fn wake_all(&self) {
-        let _st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.kicks += 1;
         self.cv.notify_all();
     }
 }
