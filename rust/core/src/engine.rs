@@ -142,6 +142,9 @@ impl Engine {
         let mut line = Vec::with_capacity(200 + m.payload_json.len());
         let id = self.encode(&mut line, channel, m)?;
         let at = writer.append(&line, 1)?;
+        if let Some(seen) = self.seen.get() {
+            seen.insert(&id);
+        }
         Ok(Published {
             id,
             offset: at.offset,

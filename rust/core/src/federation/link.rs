@@ -246,6 +246,7 @@ async fn receive_batch(
             l
         };
         in_batch.insert(env.id.clone());
+        last_id = env.id.clone();
         match groups.iter_mut().find(|g| g.0 == env.channel) {
             Some(g) => {
                 g.1.extend_from_slice(&line);
@@ -275,8 +276,9 @@ async fn receive_batch(
             ev.peer = inbound.peer.clone();
             shared.audit.log(ev);
         }
-        last_id = ids.last().cloned().unwrap_or(last_id);
     }
+    // Every qualifying record is now refused or committed (a failed commit
+    // returned above): acknowledge the last of them in batch order.
     Ok(last_id)
 }
 
