@@ -16,9 +16,13 @@ from .config import (
     load_config,
 )
 from .context import context
+from .ephemeral import EphemeralMessenger
 from .errors import (
+    BufferFullError,
+    CertificateError,
     ClosedError,
     ConfigError,
+    ConnectionLostError,
     FederationError,
     InvalidNameError,
     KeyopError,
@@ -29,33 +33,55 @@ from .errors import (
 )
 from .message import LogEntry, Message
 from .messenger import Messenger, read_channel
+from .stats import (
+    ChannelStats,
+    FederationStats,
+    HubLinkStats,
+    HubListenerStats,
+    LatencyStats,
+    Stats,
+    SubscriberStats,
+    Totals,
+)
 from .subscription import Subscription
 
 __all__ = [
     "AllowedPeer",
     "AuditConfig",
+    "BufferFullError",
+    "CertificateError",
+    "ChannelStats",
     "ClientConfig",
     "ClosedError",
     "Config",
     "ConfigError",
+    "ConnectionLostError",
     "DedupConfig",
+    "EphemeralMessenger",
     "FederationConfig",
     "FederationError",
+    "FederationStats",
     "HubConfig",
     "HubEndpoint",
+    "HubLinkStats",
+    "HubListenerStats",
     "InvalidNameError",
     "KeyopError",
+    "LatencyStats",
     "LogEntry",
     "Message",
     "MessageTooLargeError",
     "Messenger",
     "PayloadTypeError",
+    "Stats",
     "StorageConfig",
     "StorageError",
+    "SubscriberStats",
     "SubscribersConfig",
     "Subscription",
     "SubscriptionError",
     "TLSConfig",
+    "Totals",
     "__version__",
     "context",
     "load_config",

@@ -75,3 +75,13 @@ class FederationError(KeyopError, RuntimeError):
 class CertificateError(KeyopError, ValueError):
     """A certificate or key given to ``keyop-messenger keygen`` is unusable (not a
     CA, wrong key type, key does not match), or an argument is invalid."""
+
+
+class ConnectionLostError(KeyopError, ConnectionError):
+    """An ephemeral publish was not acknowledged by the hub: the connection was
+    lost (or never made). The hub may or may not have stored the message."""
+
+
+class BufferFullError(KeyopError):
+    """The ephemeral client's bounded outbound buffer is full; the message was
+    not queued. Retry later or raise ``federation.send_buffer_messages``."""

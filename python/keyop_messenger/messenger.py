@@ -17,6 +17,7 @@ from .config import Config, load_config
 from .context import current_context
 from .message import LogEntry, entry_from_row
 from .payloads import PayloadRegistry, to_plain
+from .stats import Stats, stats_from_engine
 from .subscription import Deliverer, Handler, Subscription
 
 __all__ = ["Messenger", "read_channel"]
@@ -92,6 +93,13 @@ class Messenger:
     def hub_address(self) -> tuple[str, int] | None:
         """``(host, port)`` the hub listens on (useful with port 0), or None."""
         return self._engine.hub_address
+
+    def stats(self) -> Stats:
+        """A typed snapshot: per channel (messages published since open, stream
+        and disk bytes, subscribers with lag and oldest pending message),
+        totals, latency percentiles (publish, consume, handler) over a window
+        of recent samples, and federation links and listener."""
+        return stats_from_engine(self._engine.stats())
 
     def federation_status(self) -> dict[str, Any]:
         """Hub counters and connected peers, and each client link's state."""

@@ -6,17 +6,18 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::dedup::SeenIds;
 use crate::envelope::{
     self, encode_record, format_ts, new_id, validate_name, Header, NameKind, MAX_RECORD_BYTES,
 };
 use crate::federation::{FedConfig, Federation};
+use crate::stats::{ChannelSnapshot, EngineStats, SubscriberSnapshot};
 use crate::storage::compaction::{self, CompactionReport, RetentionConfig};
 use crate::storage::offsets::{offset_path, subscribers_dir};
 use crate::storage::{ChannelWriter, LogReader, StorageError, Store, StoreConfig};
-use crate::subscribe::{Handler, Stop, SubscribeOptions, Subscriber};
+use crate::subscribe::{Handler, Stop, SubscribeOptions, Subscriber, Wiring};
 use crate::Error;
 
 /// One message to publish; the payload is already compact JSON.
@@ -46,6 +47,7 @@ pub struct Engine {
     /// echoes coming back from a hub are dropped.
     seen: OnceLock<Arc<SeenIds>>,
     federation: Mutex<Option<Federation>>,
+    stats: Arc<EngineStats>,
 }
 
 type SubscriberKey = (String, String);
@@ -73,6 +75,7 @@ impl Engine {
             retention: Mutex::new(None),
             seen: OnceLock::new(),
             federation: Mutex::new(None),
+            stats: Arc::new(EngineStats::default()),
         })
     }
 
@@ -109,31 +112,7 @@ impl Engine {
         channel: &str,
         m: &Outgoing<'_>,
     ) -> Result<String, Error> {
-        let id = new_id();
-        let ts = format_ts(SystemTime::now());
-        let before = out.len();
-        encode_record(
-            out,
-            &Header {
-                id: &id,
-                ts: &ts,
-                channel,
-                origin: &self.origin,
-                payload_type: m.payload_type,
-                correlation_id: m.correlation_id,
-                service_name: m.service_name,
-            },
-            m.payload_json,
-        );
-        let size = out.len() - before;
-        if size > MAX_RECORD_BYTES {
-            out.truncate(before);
-            return Err(Error::TooLarge {
-                size,
-                limit: MAX_RECORD_BYTES,
-            });
-        }
-        Ok(id)
+        encode_message(out, &self.origin, channel, m)
     }
 
     /// Publishes one message and returns once it is committed.
@@ -141,7 +120,9 @@ impl Engine {
         let writer = self.publish_writer(channel)?;
         let mut line = Vec::with_capacity(200 + m.payload_json.len());
         let id = self.encode(&mut line, channel, m)?;
+        let started = Instant::now();
         let at = writer.append(&line, 1)?;
+        self.stats.publish.record(started.elapsed());
         if let Some(seen) = self.seen.get() {
             seen.insert(&id);
         }
@@ -168,7 +149,9 @@ impl Engine {
             let start = buf.len();
             ids.push((self.encode(&mut buf, channel, m)?, start as u64));
         }
+        let started = Instant::now();
         let at = writer.append(&buf, items.len() as u64)?;
+        self.stats.publish.record(started.elapsed());
         if let Some(seen) = self.seen.get() {
             for (id, _) in &ids {
                 seen.insert(id);
@@ -233,16 +216,15 @@ impl Engine {
             self.store.writer(&envelope::dead_letter_channel(channel))?
         };
         let path = offset_path(&subscribers_dir(self.store.data_dir(), channel), id);
-        let sub = Subscriber::start(
-            channel,
-            id,
+        let wiring = Wiring {
+            channel: channel.to_owned(),
+            id: id.to_owned(),
             writer,
             dead_letters,
-            path.clone(),
-            handler,
-            opts,
-        )
-        .map_err(io_error(format!(
+            offset_path: path.clone(),
+            stats: self.stats.clone(),
+        };
+        let sub = Subscriber::start(wiring, handler, opts).map_err(io_error(format!(
             "cannot start subscriber {id:?} on channel {channel:?} (offset file {})",
             path.display()
         )))?;
@@ -293,6 +275,79 @@ impl Engine {
             )),
             Err(e) => Err(io_error(format!("cannot delete {}", path.display()))(e)),
         }
+    }
+
+    /// Latency windows (publish, consume, handler).
+    pub fn latency(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Per-channel figures for every channel of the data directory.
+    pub fn channel_stats(&self) -> Result<Vec<ChannelSnapshot>, Error> {
+        let root = self.store.data_dir();
+        let channels = compaction::list_channels(root).map_err(io_error(format!(
+            "cannot list channels of {}",
+            root.display()
+        )))?;
+        let active: HashMap<(String, String), u64> = self
+            .subs()
+            .iter()
+            .map(|(k, s)| (k.clone(), s.position()))
+            .collect();
+        let writers: HashMap<String, Arc<ChannelWriter>> = self
+            .store
+            .writers()
+            .into_iter()
+            .map(|w| (w.channel().to_owned(), w))
+            .collect();
+        let mut out = Vec::new();
+        for name in channels {
+            let dir = crate::storage::channel_dir(root, &name);
+            let segs = crate::storage::segment::list_segments(&dir).unwrap_or_default();
+            let disk_bytes = segs
+                .iter()
+                .filter_map(|&s| {
+                    std::fs::metadata(crate::storage::segment::segment_path(&dir, s)).ok()
+                })
+                .map(|m| m.len())
+                .sum();
+            let writer = writers.get(&name);
+            let stream_bytes = match writer {
+                Some(w) => w.committed_end(),
+                None => crate::storage::segment::stream_end(&dir).unwrap_or(0),
+            };
+            let mut subscribers = Vec::new();
+            let sub_dir = subscribers_dir(root, &name);
+            for (id, path) in crate::storage::offsets::list_offsets(&sub_dir).unwrap_or_default() {
+                let live = active.get(&(name.clone(), id.clone())).copied();
+                let Some(position) =
+                    live.or_else(|| crate::storage::offsets::read_offset(&path).ok().flatten())
+                else {
+                    continue;
+                };
+                let lag_bytes = stream_bytes.saturating_sub(position);
+                let oldest_pending_nanos = if lag_bytes > 0 {
+                    oldest_pending(&dir, position, stream_bytes)
+                } else {
+                    None
+                };
+                subscribers.push(SubscriberSnapshot {
+                    id,
+                    position,
+                    lag_bytes,
+                    oldest_pending_nanos,
+                    active: live.is_some(),
+                });
+            }
+            out.push(ChannelSnapshot {
+                messages_published: writer.map_or(0, |w| w.counters().records),
+                name,
+                stream_bytes,
+                disk_bytes,
+                subscribers,
+            });
+        }
+        Ok(out)
     }
 
     /// Runs one retention pass over every channel of the data directory.
@@ -416,6 +471,57 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.close();
     }
+}
+
+/// Publish time of the first readable record at or after `from`.
+fn oldest_pending(dir: &Path, from: u64, limit: u64) -> Option<i64> {
+    let mut reader = LogReader::new(dir, from);
+    for _ in 0..64 {
+        match reader.next_item(limit).ok()?? {
+            crate::storage::Item::Record { line, .. } => {
+                if let Ok(e) = crate::envelope::Envelope::decode(&line) {
+                    return Some(e.ts_nanos);
+                }
+            }
+            _ => continue,
+        }
+    }
+    None
+}
+
+/// Appends one new envelope (fresh UUIDv7 id, current time) from `origin` to
+/// `out` and returns its id; refuses records over the size limit.
+pub fn encode_message(
+    out: &mut Vec<u8>,
+    origin: &str,
+    channel: &str,
+    m: &Outgoing<'_>,
+) -> Result<String, Error> {
+    let id = new_id();
+    let ts = format_ts(SystemTime::now());
+    let before = out.len();
+    encode_record(
+        out,
+        &Header {
+            id: &id,
+            ts: &ts,
+            channel,
+            origin,
+            payload_type: m.payload_type,
+            correlation_id: m.correlation_id,
+            service_name: m.service_name,
+        },
+        m.payload_json,
+    );
+    let size = out.len() - before;
+    if size > MAX_RECORD_BYTES {
+        out.truncate(before);
+        return Err(Error::TooLarge {
+            size,
+            limit: MAX_RECORD_BYTES,
+        });
+    }
+    Ok(id)
 }
 
 /// A reader over a channel of any data directory, including one written by

@@ -9,6 +9,7 @@ pub mod engine;
 pub mod envelope;
 pub mod federation;
 pub mod keygen;
+pub mod stats;
 pub mod storage;
 pub mod subscribe;
 
@@ -34,6 +35,10 @@ pub enum Error {
     Subscription(String),
     #[error("federation: {0}")]
     Federation(String),
+    #[error("{0}")]
+    ConnectionLost(String),
+    #[error("{0}")]
+    BufferFull(String),
     #[error(transparent)]
     Storage(StorageError),
 }

@@ -21,6 +21,7 @@ use crate::envelope::{
     self, dead_letter_channel, encode_record, format_ts, new_id, Envelope, Header,
     DEAD_LETTER_PAYLOAD_TYPE, DEAD_LETTER_SUFFIX,
 };
+use crate::stats::EngineStats;
 use crate::storage::offsets::{read_offset, write_offset};
 use crate::storage::{segment, ChannelWriter, Item, LogReader};
 
@@ -154,21 +155,37 @@ struct Worker<H: Handler> {
     last_flush: Instant,
     position: Arc<AtomicU64>,
     stop: Arc<Stop>,
+    stats: Arc<EngineStats>,
+}
+
+/// Where a subscriber reads from and writes to.
+pub(crate) struct Wiring {
+    pub channel: String,
+    pub id: String,
+    pub writer: Arc<ChannelWriter>,
+    pub dead_letters: Arc<ChannelWriter>,
+    pub offset_path: PathBuf,
+    pub stats: Arc<EngineStats>,
 }
 
 impl Subscriber {
-    /// Starts delivering `channel` to `handler` from the offset stored in
-    /// `offset_path` (or, when there is none, from the current end, which is
-    /// written to a new offset file at once).
+    /// Starts delivering the channel to `handler` from the offset stored in
+    /// the offset file (or, when there is none, from the current end, which
+    /// is written to a new offset file at once).
     pub(crate) fn start<H: Handler>(
-        channel: &str,
-        id: &str,
-        writer: Arc<ChannelWriter>,
-        dead_letters: Arc<ChannelWriter>,
-        offset_path: PathBuf,
+        w: Wiring,
         handler: H,
         opts: SubscribeOptions,
     ) -> io::Result<Subscriber> {
+        let Wiring {
+            channel,
+            id,
+            writer,
+            dead_letters,
+            offset_path,
+            stats,
+        } = w;
+        let (channel, id) = (channel.as_str(), id.as_str());
         let end = writer.committed_end();
         let start = match read_offset(&offset_path)? {
             Some(stored) => sane_start(&writer, stored, end, channel, id)?,
@@ -194,6 +211,7 @@ impl Subscriber {
             last_flush: Instant::now(),
             position: position.clone(),
             stop: stop.clone(),
+            stats,
         };
         let thread = thread::Builder::new()
             .name(format!("keyop-sub-{id}"))
@@ -376,6 +394,25 @@ impl<H: Handler> Worker<H> {
         Ok(batch)
     }
 
+    /// Calls the handler, recording consume latency (publish time to now,
+    /// for the first record) and handler time per record.
+    fn timed_handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
+        let now_nanos = SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i64);
+        let waited = now_nanos - batch[0].envelope.ts_nanos;
+        if waited >= 0 {
+            self.stats
+                .consume
+                .record(Duration::from_nanos(waited as u64));
+        }
+        let started = Instant::now();
+        let out = self.handler.handle(batch);
+        let per = started.elapsed() / (out.handled.max(1) as u32);
+        self.stats.handler.record(per);
+        out
+    }
+
     fn ack(&mut self, next: u64) {
         self.acked = next;
         self.position.store(next, Ordering::Release);
@@ -386,7 +423,7 @@ impl<H: Handler> Worker<H> {
     fn deliver(&mut self, batch: &[Delivery]) -> bool {
         let mut rest = batch;
         while !rest.is_empty() {
-            let out = self.handler.handle(rest);
+            let out = self.timed_handle(rest);
             let handled = out.handled.min(rest.len());
             if handled > 0 {
                 let r = &rest[handled - 1];
@@ -441,7 +478,7 @@ impl<H: Handler> Worker<H> {
                     if self.stop.sleep(delay) {
                         return false;
                     }
-                    let out = self.handler.handle(std::slice::from_ref(d));
+                    let out = self.timed_handle(std::slice::from_ref(d));
                     match out.failure {
                         None if out.handled >= 1 => {
                             self.ack(d.offset + d.line.len() as u64 + 1);

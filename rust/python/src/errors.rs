@@ -22,6 +22,8 @@ pub enum Kind {
     Subscription,
     Federation,
     Certificate,
+    ConnectionLost,
+    BufferFull,
 }
 
 impl Kind {
@@ -36,11 +38,15 @@ impl Kind {
             Kind::Subscription => "SubscriptionError",
             Kind::Federation => "FederationError",
             Kind::Certificate => "CertificateError",
+            Kind::ConnectionLost => "ConnectionLostError",
+            Kind::BufferFull => "BufferFullError",
         }
     }
 }
 
-static CLASSES: [PyOnceLock<Py<PyType>>; 9] = [
+static CLASSES: [PyOnceLock<Py<PyType>>; 11] = [
+    PyOnceLock::new(),
+    PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
@@ -80,6 +86,8 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Storage(_) => Kind::Storage,
         Error::Subscription(_) => Kind::Subscription,
         Error::Federation(_) => Kind::Federation,
+        Error::ConnectionLost(_) => Kind::ConnectionLost,
+        Error::BufferFull(_) => Kind::BufferFull,
     };
     new_err(py, kind, e.to_string())
 }

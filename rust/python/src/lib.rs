@@ -11,6 +11,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use keyop_core::engine::encode_message;
+use keyop_core::federation::ephemeral::{EphemeralClient as EphemeralCore, EphemeralConfig};
 use keyop_core::storage::{ChannelWriter, FaultPoint, Item, LogReader};
 use keyop_core::{
     BatchOutcome, Delivery, Engine, Envelope, Failure, Handler, Outgoing, RetentionConfig,
@@ -42,6 +44,39 @@ type Row<'py> = (
     Option<String>,
     Bound<'py, PyAny>,
 );
+
+/// Encodes `(payload_type, payload)` tuples of a batch.
+fn encode_items(
+    py: Python<'_>,
+    items: &Bound<'_, PyAny>,
+    default: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Vec<(String, Vec<u8>)>> {
+    let mut encoded = Vec::new();
+    for item in items.try_iter()? {
+        let item = item?;
+        let pair = item.cast::<PyTuple>().map_err(|_| {
+            new_err(
+                py,
+                Kind::PayloadType,
+                "publish_batch items must be (payload_type, payload) tuples".into(),
+            )
+        })?;
+        if pair.len() != 2 {
+            return Err(new_err(
+                py,
+                Kind::PayloadType,
+                format!(
+                    "publish_batch items must be 2-tuples, got {} elements",
+                    pair.len()
+                ),
+            ));
+        }
+        let payload_type: String = pair.get_item(0)?.extract()?;
+        let json = encode_payload(&pair.get_item(1)?, default)?;
+        encoded.push((payload_type, json));
+    }
+    Ok(encoded)
+}
 
 fn encode_payload(
     payload: &Bound<'_, PyAny>,
@@ -118,30 +153,7 @@ impl PyEngine {
         correlation_id: Option<&str>,
         default: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<String>> {
-        let mut encoded: Vec<(String, Vec<u8>)> = Vec::new();
-        for item in items.try_iter()? {
-            let item = item?;
-            let pair = item.cast::<PyTuple>().map_err(|_| {
-                new_err(
-                    py,
-                    Kind::PayloadType,
-                    "publish_batch items must be (payload_type, payload) tuples".into(),
-                )
-            })?;
-            if pair.len() != 2 {
-                return Err(new_err(
-                    py,
-                    Kind::PayloadType,
-                    format!(
-                        "publish_batch items must be 2-tuples, got {} elements",
-                        pair.len()
-                    ),
-                ));
-            }
-            let payload_type: String = pair.get_item(0)?.extract()?;
-            let json = encode_payload(&pair.get_item(1)?, default)?;
-            encoded.push((payload_type, json));
-        }
+        let encoded = encode_items(py, items, default)?;
         let msgs: Vec<Outgoing<'_>> = encoded
             .iter()
             .map(|(t, j)| Outgoing {
@@ -319,6 +331,73 @@ impl PyEngine {
             .map(|a| (a.ip().to_string(), a.port()))
     }
 
+    /// A snapshot: `{"channels": [...], "latency": {stage: (count, p50_us,
+    /// p90_us, p99_us)}, "links": [...], "listener": {...} | None}`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let channels = py.detach(|| self.engine.channel_stats()).py_err(py)?;
+        let out = PyDict::new(py);
+        let list = pyo3::types::PyList::empty(py);
+        for c in channels {
+            let d = PyDict::new(py);
+            d.set_item("name", c.name)?;
+            d.set_item("messages_published", c.messages_published)?;
+            d.set_item("stream_bytes", c.stream_bytes)?;
+            d.set_item("disk_bytes", c.disk_bytes)?;
+            let subs = pyo3::types::PyList::empty(py);
+            for s in c.subscribers {
+                subs.append((s.id, s.lag_bytes, s.oldest_pending_nanos, s.active))?;
+            }
+            d.set_item("subscribers", subs)?;
+            list.append(d)?;
+        }
+        out.set_item("channels", list)?;
+        let lat = PyDict::new(py);
+        let l = self.engine.latency();
+        for (stage, w) in [
+            ("publish", &l.publish),
+            ("consume", &l.consume),
+            ("handler", &l.handler),
+        ] {
+            let p = w.percentiles();
+            lat.set_item(stage, (p.count, p.p50_us, p.p90_us, p.p99_us))?;
+        }
+        out.set_item("latency", lat)?;
+        let fed = self.engine.with_federation(|f| {
+            let links: Vec<_> = f
+                .clients()
+                .iter()
+                .map(|c| {
+                    let s = c.status();
+                    let rtt = s.rtt.percentiles();
+                    (
+                        c.addr().to_owned(),
+                        s.connected.load(std::sync::atomic::Ordering::Acquire),
+                        s.reconnects.load(Relaxed),
+                        s.unacked_bytes.load(Relaxed),
+                        rtt.p50_us,
+                        rtt.p99_us,
+                    )
+                })
+                .collect();
+            let listener = f.hub().map(|h| {
+                let c = h.counters();
+                (
+                    h.local_addr().to_string(),
+                    h.connected_peers(),
+                    c.records_received.load(Relaxed),
+                    c.accepted.load(Relaxed),
+                    c.rejected.load(Relaxed),
+                )
+            });
+            (links, listener)
+        });
+        let (links, listener) = fed.unwrap_or_default();
+        out.set_item("links", links)?;
+        out.set_item("listener", listener)?;
+        Ok(out)
+    }
+
     /// Federation state: `{"hub": {...} | None, "clients": [{...}]}`.
     fn federation_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use std::sync::atomic::Ordering::Relaxed;
@@ -443,6 +522,120 @@ impl Handler for PyHandler {
                 },
             }
         })
+    }
+}
+
+/// A storage-less hub client (`keyop_core::federation::ephemeral`).
+#[pyclass(module = "keyop_messenger._core", frozen)]
+struct EphemeralClient {
+    client: EphemeralCore,
+    origin: String,
+}
+
+#[pymethods]
+impl EphemeralClient {
+    /// Loads TLS and checks the settings (JSON with the fields of
+    /// `EphemeralConfig`); does not dial.
+    #[new]
+    fn new(py: Python<'_>, settings_json: &str) -> PyResult<Self> {
+        let cfg: EphemeralConfig = serde_json::from_str(settings_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("ephemeral settings: {e}")))?;
+        let origin = cfg.name.clone();
+        let client = py
+            .detach(|| EphemeralCore::new(cfg))
+            .map_err(|e| keyop_core::Error::Federation(e.to_string()))
+            .py_err(py)?;
+        Ok(EphemeralClient { client, origin })
+    }
+
+    /// Dials the hub; waits up to `timeout_s` for the first connection.
+    fn connect(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+        py.detach(|| self.client.connect(timeout)).py_err(py)
+    }
+
+    /// Sets `deliver(rows)`, called with rows like a subscription's for
+    /// every frame the hub streams (return value ignored).
+    fn set_handler(&self, deliver: Py<PyAny>) {
+        let deliver = Arc::new(deliver);
+        self.client
+            .set_handler(Arc::new(move |envelopes: Vec<Envelope>| {
+                Python::attach(|py| {
+                    let rows: PyResult<Vec<DeliveryRow<'_, '_>>> = envelopes
+                        .iter()
+                        .map(|e| {
+                            Ok((
+                                0,
+                                e.id.as_str(),
+                                e.ts_nanos,
+                                e.channel.as_str(),
+                                e.origin.as_str(),
+                                e.payload_type.as_str(),
+                                e.service_name.as_deref(),
+                                e.correlation_id.as_deref(),
+                                json::json_to_py(py, e.payload.get())?,
+                            ))
+                        })
+                        .collect();
+                    if let Err(err) = rows.and_then(|r| deliver.call1(py, (r,))) {
+                        err.print(py);
+                    }
+                })
+            }));
+    }
+
+    /// Publishes `(payload_type, payload)` items in one frame; returns their
+    /// ids once the hub acknowledged (after committing) the frame.
+    #[pyo3(signature = (channel, items, service_name = None, correlation_id = None, default = None))]
+    fn publish_batch(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+        items: &Bound<'_, PyAny>,
+        service_name: Option<&str>,
+        correlation_id: Option<&str>,
+        default: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<String>> {
+        keyop_core::envelope::validate_name(keyop_core::NameKind::PublishChannel, channel)
+            .map_err(keyop_core::Error::from)
+            .py_err(py)?;
+        let encoded = encode_items(py, items, default)?;
+        let mut body = Vec::new();
+        let mut ids = Vec::with_capacity(encoded.len());
+        let mut line = Vec::with_capacity(256);
+        for (payload_type, json) in &encoded {
+            line.clear();
+            let m = Outgoing {
+                payload_type,
+                payload_json: json,
+                service_name,
+                correlation_id,
+            };
+            ids.push(encode_message(&mut line, &self.origin, channel, &m).py_err(py)?);
+            keyop_core::federation::wire::push_record(&mut body, &line[..line.len() - 1]);
+        }
+        if ids.is_empty() {
+            return Ok(ids);
+        }
+        py.detach(|| self.client.send(body)).py_err(py)?;
+        Ok(ids)
+    }
+
+    /// `{"connected", "reconnects", "failed_attempts", "unacked_bytes"}`.
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.client.status();
+        let d = PyDict::new(py);
+        d.set_item("connected", s.connected.load(Relaxed))?;
+        d.set_item("reconnects", s.reconnects.load(Relaxed))?;
+        d.set_item("failed_attempts", s.failed_attempts.load(Relaxed))?;
+        d.set_item("unacked_bytes", self.client.unacked_bytes())?;
+        Ok(d)
+    }
+
+    /// Closes the connection; pending publishes fail. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.client.close());
     }
 }
 
@@ -587,12 +780,23 @@ fn read_channel(
     })
 }
 
+/// Raises InvalidNameError unless `name` is a valid channel name (the
+/// engine's rule; dead-letter channels included).
+#[pyfunction]
+fn validate_channel(py: Python<'_>, name: &str) -> PyResult<()> {
+    keyop_core::envelope::validate_name(keyop_core::NameKind::Channel, name)
+        .map_err(keyop_core::Error::from)
+        .py_err(py)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<RecordIter>()?;
     m.add_class::<Subscription>()?;
+    m.add_class::<EphemeralClient>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_channel, m)?)?;
     keygen::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_RECORD_BYTES", keyop_core::envelope::MAX_RECORD_BYTES)?;

@@ -34,6 +34,10 @@ pub struct LinkStatus {
     pub reconnects: AtomicU64,
     pub connects: AtomicU64,
     pub failed_attempts: AtomicU64,
+    /// Bytes of the batch awaiting acknowledgement.
+    pub unacked_bytes: AtomicU64,
+    /// Batch send to acknowledgement.
+    pub rtt: crate::stats::Window,
 }
 
 /// A client link to one hub.
@@ -90,7 +94,7 @@ impl ClientLink {
 }
 
 /// Host part of `host:port` or `[v6]:port`.
-fn host_of(addr: &str) -> Option<&str> {
+pub(crate) fn host_of(addr: &str) -> Option<&str> {
     let (host, port) = addr.rsplit_once(':')?;
     port.parse::<u16>().ok()?;
     let host = host
@@ -100,24 +104,27 @@ fn host_of(addr: &str) -> Option<&str> {
     (!host.is_empty()).then_some(host)
 }
 
-enum DialError {
+pub(crate) enum DialError {
     Rejected,
     Failed(String),
 }
 
-type HubStream = WebSocketStream<TlsStream<TcpStream>>;
+pub(crate) type HubStream = WebSocketStream<TlsStream<TcpStream>>;
 
-async fn connect_once(
-    shared: &Shared,
+/// Dials `ep` and exchanges handshakes (client first), within the handshake timeout.
+pub(crate) async fn connect_once(
+    name: &str,
+    max_batch_bytes: usize,
     ep: &HubEndpoint,
     tls: Arc<ClientConfig>,
+    ephemeral: bool,
 ) -> Result<HubStream, DialError> {
     let host = host_of(&ep.addr).unwrap_or_default().to_owned();
     let server_name =
         ServerName::try_from(host).map_err(|e| DialError::Failed(format!("bad hub host: {e}")))?;
-    let ws_cfg = WebSocketConfig::default()
-        .max_message_size(Some(link::max_message_size(shared.link.max_batch_bytes)));
-    let hello = Handshake::client(&shared.name, ep.subscribe.clone(), false).to_json();
+    let ws_cfg =
+        WebSocketConfig::default().max_message_size(Some(link::max_message_size(max_batch_bytes)));
+    let hello = Handshake::client(name, ep.subscribe.clone(), ephemeral).to_json();
     let attempt = async {
         let tcp = TcpStream::connect(&ep.addr)
             .await
@@ -189,7 +196,7 @@ fn audit(shared: &Shared, event: &'static str, addr: &str, detail: String) {
 }
 
 /// `delay ± delay × jitter`, never negative.
-fn jittered(delay: Duration, jitter: f64) -> Duration {
+pub(crate) fn jittered(delay: Duration, jitter: f64) -> Duration {
     let u: f64 = rand::random::<f64>() * 2.0 - 1.0;
     delay.mul_f64((1.0 + jitter.clamp(0.0, 1.0) * u).max(0.0))
 }
@@ -211,7 +218,7 @@ async fn dial_loop(
         attempt += 1;
         let connected = tokio::select! {
             _ = shared.cancel.cancelled() => return,
-            r = connect_once(&shared, &ep, tls.clone()) => r,
+            r = connect_once(&shared.name, shared.link.max_batch_bytes, &ep, tls.clone(), false) => r,
         };
         match connected {
             Ok(ws) => {
@@ -229,6 +236,8 @@ async fn dial_loop(
                             allow: (!ep.subscribe.is_empty())
                                 .then(|| ep.subscribe.iter().cloned().collect()),
                             peer: ep.addr.clone(),
+                            received: None,
+                            link: Some(status.clone()),
                         };
                         link::run(
                             shared.clone(),

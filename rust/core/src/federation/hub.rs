@@ -34,6 +34,8 @@ use crate::storage::{compaction, LogReader};
 pub struct HubCounters {
     pub accepted: AtomicU64,
     pub rejected: AtomicU64,
+    /// Records stored from peers.
+    pub records_received: Arc<AtomicU64>,
 }
 
 /// A running hub listener.
@@ -278,6 +280,8 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
     let inbound = Inbound {
         allow: (!entry.publish.is_empty()).then(|| entry.publish.iter().cloned().collect()),
         peer: peer.clone(),
+        received: Some(state.counters.records_received.clone()),
+        link: None,
     };
     let ended = link::run(shared.clone(), ws, out, inbound, cancel).await;
     {

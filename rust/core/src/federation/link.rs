@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,12 +92,17 @@ impl OutChannel {
     }
 }
 
-/// What the receiving side accepts and how it is labelled in the audit log.
+/// What the receiving side accepts, how it is labelled in the audit log,
+/// and where its figures go.
 pub struct Inbound {
     /// Channels accepted; `None` accepts any.
     pub allow: Option<HashSet<String>>,
     /// `peer` in audit records.
     pub peer: String,
+    /// Counts records stored from this peer (the hub's listener counter).
+    pub received: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// Round trips and unacknowledged bytes of our batches (client links).
+    pub link: Option<Arc<super::client::LinkStatus>>,
 }
 
 /// Runs a connection until it fails, the peer goes away, or `cancel` fires.
@@ -121,6 +127,7 @@ where
         ack_rx,
         cancel.clone(),
         inbound.peer.clone(),
+        inbound.link.clone(),
     ));
     let pinger = tokio::spawn(ping_loop(sink.clone(), cancel.clone()));
     let read_result = read_loop(&shared, stream, &sink, &inbound, ack_tx, &cancel).await;
@@ -267,6 +274,9 @@ async fn receive_batch(
                 "cannot store {n} records on channel {channel:?}: {e}"
             ));
         }
+        if let Some(counter) = &inbound.received {
+            counter.fetch_add(n, Ordering::Relaxed);
+        }
         for id in &ids {
             shared.seen.insert(id);
             let mut ev = AuditEvent::new("forward");
@@ -289,6 +299,7 @@ async fn send_loop<S>(
     mut acks: mpsc::Receiver<()>,
     cancel: CancellationToken,
     peer: String,
+    metrics: Option<Arc<super::client::LinkStatus>>,
 ) -> Option<String>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -309,6 +320,11 @@ where
                 }
             };
             if !batch.ids.is_empty() {
+                let sent_at = std::time::Instant::now();
+                if let Some(m) = &metrics {
+                    m.unacked_bytes
+                        .store(batch.body.len() as u64, Ordering::Relaxed);
+                }
                 let msg = Message::Binary(batch.body.into());
                 if let Err(e) = sink.lock().await.send(msg).await {
                     cancel.cancel();
@@ -317,7 +333,12 @@ where
                 tokio::select! {
                     _ = cancel.cancelled() => return None,
                     r = tokio::time::timeout(ACK_TIMEOUT, acks.recv()) => match r {
-                        Ok(Some(())) => {}
+                        Ok(Some(())) => {
+                            if let Some(m) = &metrics {
+                                m.rtt.record(sent_at.elapsed());
+                                m.unacked_bytes.store(0, Ordering::Relaxed);
+                            }
+                        }
                         Ok(None) => return None,
                         Err(_) => {
                             cancel.cancel();

@@ -1,0 +1,190 @@
+"""EphemeralMessenger: a hub client with no local storage.
+
+For short-lived processes (scripts, Spark tasks) that publish into a hub, and
+for live-only listeners. ``publish()`` returns once the hub has committed the
+message and acknowledged it; without a connection it raises
+:class:`ConnectionLostError` at once instead of waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+from . import _core
+from .config import Config, load_config
+from .context import current_context
+from .errors import ConfigError
+from .message import message_from_parts
+from .payloads import PayloadRegistry, to_plain
+from .subscription import Handler
+
+__all__ = ["EphemeralMessenger"]
+
+log = logging.getLogger("keyop_messenger")
+
+#: Seconds ``connect()`` waits for the first connection by default.
+CONNECT_TIMEOUT_S = 10.0
+
+
+class EphemeralMessenger:
+    """A storage-less client of the first hub in ``config.client.hubs``.
+
+    Uses the config's ``name`` (sent to the hub; should equal the certificate
+    CN), ``tls`` and ``federation`` settings. Channels listed in that hub
+    entry's ``subscribe`` are requested at connect time; :meth:`subscribe`
+    attaches handlers to them. The hub keeps no cursor for an ephemeral
+    client, so only messages stored while connected are received.
+
+    ``auto_reconnect=True`` keeps reconnecting with backoff after a loss;
+    publishes made meanwhile wait in the bounded outbound buffer
+    (``federation.send_buffer_messages`` publish calls). A full buffer raises
+    :class:`BufferFullError`.
+    """
+
+    def __init__(
+        self, config: Config | str | os.PathLike[str], *, auto_reconnect: bool = False
+    ) -> None:
+        if not isinstance(config, Config):
+            config = load_config(config)
+        if not config.client.hubs:
+            raise ConfigError(["client.hubs: an EphemeralMessenger needs at least one hub"])
+        self._config = config
+        self._registry = PayloadRegistry()
+        self._handlers: dict[str, list[Handler]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        hub = config.client.hubs[0]
+        settings = {
+            "name": config.name,
+            "hub": {"addr": hub.addr, "subscribe": list(hub.subscribe), "publish": []},
+            "tls": {
+                "cert": config.tls.cert,
+                "key": config.tls.key,
+                "ca": config.tls.ca,
+                "min_version": config.tls.min_version,
+                "expiry_warn_days": config.tls.expiry_warn_days,
+            },
+            "federation": {
+                "reconnect_base_ms": config.federation.reconnect_base_ms,
+                "reconnect_max_ms": config.federation.reconnect_max_ms,
+                "reconnect_jitter": config.federation.reconnect_jitter,
+                "max_batch_bytes": config.federation.max_batch_bytes,
+            },
+            "auto_reconnect": auto_reconnect,
+            "buffer_messages": config.federation.send_buffer_messages,
+        }
+        self._client = _core.EphemeralClient(json.dumps(settings))
+        self._client.set_handler(self._dispatch)
+
+    @property
+    def name(self) -> str:
+        """The instance name written as ``origin``."""
+        return self._config.name
+
+    def connect(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
+        """Dials the hub and waits up to ``timeout`` seconds for the handshake.
+        Raises :class:`ConnectionLostError` if it cannot connect."""
+        self._client.connect(timeout)
+
+    def register_payload_type(self, name: str, cls: type) -> None:
+        """As :meth:`Messenger.register_payload_type`."""
+        self._registry.register(name, cls)
+
+    def subscribe(self, channel: str, handler: Handler) -> None:
+        """Calls ``handler(message)`` for every live message on ``channel``.
+
+        Only channels in the hub entry's ``subscribe`` list are received.
+        Handlers run on an engine thread before the hub is acknowledged; an
+        exception is logged (there is no retry or dead letter for ephemeral
+        clients)."""
+        _core.validate_channel(channel)
+        with self._lock:
+            self._handlers.setdefault(channel, []).append(handler)
+
+    def _dispatch(self, rows: list[tuple[Any, ...]]) -> None:
+        for _offset, *fields in rows:
+            handlers = self._handlers.get(fields[2])
+            if not handlers:
+                continue
+            try:
+                message = message_from_parts(*fields, self._registry)
+            except Exception as exc:
+                log.warning("ephemeral: undecodable message %s: %s", fields[0], exc)
+                continue
+            for handler in handlers:
+                try:
+                    handler(message)
+                except Exception:
+                    log.exception("ephemeral: handler failed on %s", message.id)
+
+    def _meta(self, service_name: str | None, correlation_id: str | None) -> tuple[Any, Any]:
+        ctx_service, ctx_corr = current_context()
+        return (
+            service_name if service_name is not None else ctx_service,
+            correlation_id if correlation_id is not None else ctx_corr,
+        )
+
+    def publish(
+        self,
+        channel: str,
+        payload_type: str,
+        payload: Any,
+        *,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+    ) -> str:
+        """Publishes one message; returns its id once the hub committed it."""
+        return self.publish_batch(
+            channel,
+            [(payload_type, payload)],
+            service_name=service_name,
+            correlation_id=correlation_id,
+        )[0]
+
+    def publish_batch(
+        self,
+        channel: str,
+        items: Iterable[tuple[str, Any]],
+        *,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+    ) -> list[str]:
+        """Publishes ``(payload_type, payload)`` pairs in one frame; returns
+        their ids once the hub committed and acknowledged the frame."""
+        pairs = list(items)
+        for pair in pairs:
+            if isinstance(pair, tuple) and len(pair) == 2:
+                self._registry.check(pair[0], pair[1])
+        service, corr = self._meta(service_name, correlation_id)
+        return self._client.publish_batch(channel, pairs, service, corr, to_plain)
+
+    def status(self) -> dict[str, Any]:
+        """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``."""
+        return self._client.status()
+
+    def close(self) -> None:
+        """Closes the connection; publishes still waiting fail. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._client.close()
+
+    def __enter__(self) -> EphemeralMessenger:
+        self.connect()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+

@@ -1,0 +1,171 @@
+"""Typed snapshots of a messenger's counters (``Messenger.stats()``)."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ChannelStats",
+    "FederationStats",
+    "HubLinkStats",
+    "HubListenerStats",
+    "LatencyStats",
+    "Stats",
+    "SubscriberStats",
+    "Totals",
+    "stats_from_engine",
+]
+
+
+@dataclass(frozen=True)
+class SubscriberStats:
+    """One local subscriber (or federation cursor) of a channel."""
+
+    id: str
+    """Subscriber id (``fed-<peer>`` / ``hub-<addr>`` for federation cursors)."""
+    lag_bytes: int
+    """Stream end minus the subscriber's position."""
+    oldest_pending: datetime.datetime | None
+    """Publish time of the oldest message not yet acknowledged, if any."""
+    active: bool
+    """Whether it is subscribed in this process (else: only its offset file exists)."""
+
+
+@dataclass(frozen=True)
+class ChannelStats:
+    """One channel of the data directory."""
+
+    name: str
+    messages_published: int
+    """Records appended since this messenger opened (local, batch and federated)."""
+    stream_bytes: int
+    """Stream end: global offset the next record gets."""
+    disk_bytes: int
+    """Bytes of the segment files currently on disk."""
+    subscribers: list[SubscriberStats] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Sums over every channel."""
+
+    channels: int
+    messages_published: int
+    stream_bytes: int
+    disk_bytes: int
+    subscribers: int
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Percentiles (microseconds) over a sliding window of recent samples."""
+
+    count: int
+    """Samples in the window."""
+    p50_us: float
+    p90_us: float
+    p99_us: float
+
+
+@dataclass(frozen=True)
+class HubLinkStats:
+    """This instance's link to one hub (client role)."""
+
+    addr: str
+    connected: bool
+    reconnects: int
+    unacked_bytes: int
+    """Bytes sent in the batch awaiting acknowledgement."""
+    rtt_p50_us: float
+    """Batch send -> acknowledgement round trip."""
+    rtt_p99_us: float
+
+
+@dataclass(frozen=True)
+class HubListenerStats:
+    """The hub listener (hub role)."""
+
+    listen_addr: str
+    peers: list[str]
+    """Peers connected now."""
+    records_received: int
+    connections_accepted: int
+    connections_rejected: int
+
+
+@dataclass(frozen=True)
+class FederationStats:
+    """Federation state; empty when federation is off."""
+
+    links: list[HubLinkStats] = field(default_factory=list)
+    listener: HubListenerStats | None = None
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot (not atomic across channels) of a messenger."""
+
+    channels: list[ChannelStats]
+    totals: Totals
+    latency: dict[str, LatencyStats]
+    """Per stage: ``publish`` (append to commit), ``consume`` (commit to handler
+    start) and ``handler`` (handler run time, per batch of messages)."""
+    federation: FederationStats
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+def _at(nanos: int | None) -> datetime.datetime | None:
+    if nanos is None:
+        return None
+    return _EPOCH + datetime.timedelta(microseconds=nanos // 1000)
+
+
+def stats_from_engine(raw: dict[str, Any]) -> Stats:
+    """Builds :class:`Stats` from the engine's ``stats()`` dictionary."""
+    channels = [
+        ChannelStats(
+            name=c["name"],
+            messages_published=c["messages_published"],
+            stream_bytes=c["stream_bytes"],
+            disk_bytes=c["disk_bytes"],
+            subscribers=[
+                SubscriberStats(id=i, lag_bytes=lag, oldest_pending=_at(ns), active=active)
+                for i, lag, ns, active in c["subscribers"]
+            ],
+        )
+        for c in raw["channels"]
+    ]
+    totals = Totals(
+        channels=len(channels),
+        messages_published=sum(c.messages_published for c in channels),
+        stream_bytes=sum(c.stream_bytes for c in channels),
+        disk_bytes=sum(c.disk_bytes for c in channels),
+        subscribers=sum(len(c.subscribers) for c in channels),
+    )
+    latency = {
+        stage: LatencyStats(count=n, p50_us=p50, p90_us=p90, p99_us=p99)
+        for stage, (n, p50, p90, p99) in raw["latency"].items()
+    }
+    listener = raw["listener"]
+    federation = FederationStats(
+        links=[
+            HubLinkStats(
+                addr=a, connected=c, reconnects=r, unacked_bytes=u, rtt_p50_us=p50, rtt_p99_us=p99
+            )
+            for a, c, r, u, p50, p99 in raw["links"]
+        ],
+        listener=None
+        if listener is None
+        else HubListenerStats(
+            listen_addr=listener[0],
+            peers=list(listener[1]),
+            records_received=listener[2],
+            connections_accepted=listener[3],
+            connections_rejected=listener[4],
+        ),
+    )
+    return Stats(channels=channels, totals=totals, latency=latency, federation=federation)

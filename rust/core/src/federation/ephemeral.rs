@@ -1,0 +1,448 @@
+//! The ephemeral client: a hub client with no local storage.
+//!
+//! `publish` hands a batch to the connection task through a bounded queue
+//! (a full queue is an error the caller sees) and blocks until the hub
+//! acknowledges the frame that carried it — the hub acknowledges only after
+//! committing — or the connection is lost. Received messages are handed to
+//! a handler (live only: the hub keeps no cursor for ephemeral peers).
+//! Without auto-reconnect a lost connection stays lost and every publish
+//! fails fast; with it, queued publishes wait for the next connection.
+
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use lru::LruCache;
+use rustls::ClientConfig;
+use serde::Deserialize;
+use tokio::runtime::Runtime;
+use tokio::sync::{mpsc, oneshot};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_util::sync::CancellationToken;
+
+use super::client::{connect_once, jittered, DialError, HubStream, LinkStatus};
+use super::wire::{split_batch, Ack};
+use super::{
+    runtime, tls, FedError, HubEndpoint, LinkSettings, TlsSettings, ACK_TIMEOUT, PING_INTERVAL,
+    READ_TIMEOUT,
+};
+use crate::envelope::Envelope;
+use crate::Error;
+
+/// Ids remembered per connection to drop duplicates (as in 1.4).
+const DEDUP_PER_CONNECTION: usize = 1024;
+
+/// Settings of an ephemeral client.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct EphemeralConfig {
+    pub name: String,
+    pub hub: HubEndpoint,
+    pub tls: TlsSettings,
+    pub federation: LinkSettings,
+    pub auto_reconnect: bool,
+    /// Capacity of the outbound queue, in publish calls.
+    pub buffer_messages: usize,
+}
+
+/// Receives every message the hub streams, one frame at a time.
+pub type ReceiveHandler = Arc<dyn Fn(Vec<Envelope>) + Send + Sync>;
+
+struct Pending {
+    body: Vec<u8>,
+    done: oneshot::Sender<Result<(), String>>,
+}
+
+struct Ctx {
+    cfg: EphemeralConfig,
+    tls: Arc<ClientConfig>,
+    handler: Mutex<Option<ReceiveHandler>>,
+    status: Arc<LinkStatus>,
+    cancel: CancellationToken,
+    /// The connection is gone for good (no auto-reconnect, or closed).
+    dead: AtomicBool,
+    last_error: Mutex<String>,
+}
+
+/// A storage-less hub client.
+pub struct EphemeralClient {
+    rt: Arc<Runtime>,
+    ctx: Arc<Ctx>,
+    queue: Mutex<Option<mpsc::Sender<Pending>>>,
+    rx: Mutex<Option<mpsc::Receiver<Pending>>>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl EphemeralClient {
+    /// Checks the settings and loads the TLS material; does not dial.
+    pub fn new(cfg: EphemeralConfig) -> Result<EphemeralClient, FedError> {
+        if cfg.name.is_empty() {
+            return Err(FedError::Config("instance name must not be empty".into()));
+        }
+        if super::client::host_of(&cfg.hub.addr).is_none() {
+            return Err(FedError::Config(format!(
+                "hub address {:?} is not host:port",
+                cfg.hub.addr
+            )));
+        }
+        let material = tls::TlsMaterial::load(&cfg.tls)?;
+        let client_tls = material
+            .client_config()
+            .map_err(|e| FedError::Tls(e.to_string()))?;
+        let (tx, rx) = mpsc::channel(cfg.buffer_messages.max(1));
+        Ok(EphemeralClient {
+            rt: runtime()?,
+            ctx: Arc::new(Ctx {
+                cfg,
+                tls: client_tls,
+                handler: Mutex::new(None),
+                status: Arc::new(LinkStatus::default()),
+                cancel: CancellationToken::new(),
+                dead: AtomicBool::new(false),
+                last_error: Mutex::new(String::new()),
+            }),
+            queue: Mutex::new(Some(tx)),
+            rx: Mutex::new(Some(rx)),
+            task: Mutex::new(None),
+        })
+    }
+
+    /// Sets the handler of received messages (before or after connecting).
+    pub fn set_handler(&self, handler: ReceiveHandler) {
+        *self.ctx.handler.lock().unwrap_or_else(|e| e.into_inner()) = Some(handler);
+    }
+
+    /// Connection state and counters.
+    pub fn status(&self) -> &LinkStatus {
+        &self.ctx.status
+    }
+
+    /// Bytes sent in the frame awaiting acknowledgement.
+    pub fn unacked_bytes(&self) -> u64 {
+        self.ctx.status.unacked_bytes.load(Ordering::Relaxed)
+    }
+
+    fn lost(&self) -> Error {
+        let why = self
+            .ctx
+            .last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        Error::ConnectionLost(format!(
+            "connection to hub {} lost: {why}",
+            self.ctx.cfg.hub.addr
+        ))
+    }
+
+    /// Dials the hub and waits up to `timeout` for the first connection.
+    /// Idempotent once connected.
+    pub fn connect(&self, timeout: Duration) -> Result<(), Error> {
+        let Some(rx) = self.rx.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return if self.ctx.dead.load(Ordering::Acquire) {
+                Err(self.lost())
+            } else {
+                Ok(())
+            };
+        };
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let task = self.rt.spawn(run(self.ctx.clone(), rx, ready_tx));
+        *self.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+        let outcome = self
+            .rt
+            .block_on(async { tokio::time::timeout(timeout, ready_rx).await });
+        match outcome {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(e))) => Err(Error::ConnectionLost(format!(
+                "cannot connect to hub {}: {e}",
+                self.ctx.cfg.hub.addr
+            ))),
+            Ok(Err(_)) => Err(self.lost()),
+            Err(_) => {
+                if !self.ctx.cfg.auto_reconnect {
+                    self.close();
+                }
+                Err(Error::ConnectionLost(format!(
+                    "no connection to hub {} within {:.1}s",
+                    self.ctx.cfg.hub.addr,
+                    timeout.as_secs_f64()
+                )))
+            }
+        }
+    }
+
+    /// Sends one frame body (length-prefixed records) and waits for the
+    /// hub's acknowledgement.
+    pub fn send(&self, body: Vec<u8>) -> Result<(), Error> {
+        if self.ctx.dead.load(Ordering::Acquire) {
+            return Err(self.lost());
+        }
+        let tx = self
+            .queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| Error::Closed("ephemeral messenger is closed".into()))?;
+        if self
+            .task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
+            return Err(Error::ConnectionLost(
+                "not connected: call connect() first".into(),
+            ));
+        }
+        let (done, wait) = oneshot::channel();
+        match tx.try_send(Pending { body, done }) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                return Err(Error::BufferFull(format!(
+                    "the outbound buffer of {} publishes to hub {} is full",
+                    self.ctx.cfg.buffer_messages.max(1),
+                    self.ctx.cfg.hub.addr
+                )))
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(self.lost()),
+        }
+        match wait.blocking_recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Error::ConnectionLost(format!(
+                "connection to hub {} lost before the acknowledgement: {e}",
+                self.ctx.cfg.hub.addr
+            ))),
+            Err(_) => Err(self.lost()),
+        }
+    }
+
+    /// Stops the connection; pending publishes fail. Idempotent.
+    pub fn close(&self) {
+        self.ctx.cancel.cancel();
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).take();
+        *self
+            .ctx
+            .last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = "client closed".into();
+        self.ctx.dead.store(true, Ordering::Release);
+        let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = task {
+            let _ = self
+                .rt
+                .block_on(async { tokio::time::timeout(Duration::from_secs(5), t).await });
+        }
+    }
+}
+
+impl Drop for EphemeralClient {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn fail_all(rx: &mut mpsc::Receiver<Pending>, why: &str) {
+    rx.close();
+    while let Ok(p) = rx.try_recv() {
+        let _ = p.done.send(Err(why.to_owned()));
+    }
+}
+
+async fn run(
+    ctx: Arc<Ctx>,
+    mut rx: mpsc::Receiver<Pending>,
+    ready: oneshot::Sender<Result<(), String>>,
+) {
+    let mut ready = Some(ready);
+    let link = &ctx.cfg.federation;
+    let base = Duration::from_millis(link.reconnect_base_ms.max(1));
+    let max = Duration::from_millis(link.reconnect_max_ms).max(base);
+    let mut delay = base;
+    loop {
+        let dialed = tokio::select! {
+            _ = ctx.cancel.cancelled() => break,
+            r = connect_once(&ctx.cfg.name, link.max_batch_bytes, &ctx.cfg.hub, ctx.tls.clone(), true) => r,
+        };
+        let why = match dialed {
+            Ok(ws) => {
+                delay = base;
+                if ctx.status.connects.fetch_add(1, Ordering::Relaxed) > 0 {
+                    ctx.status.reconnects.fetch_add(1, Ordering::Relaxed);
+                }
+                ctx.status.connected.store(true, Ordering::Release);
+                if let Some(r) = ready.take() {
+                    let _ = r.send(Ok(()));
+                }
+                let why = serve(&ctx, ws, &mut rx).await;
+                ctx.status.connected.store(false, Ordering::Release);
+                why
+            }
+            Err(e) => {
+                ctx.status.failed_attempts.fetch_add(1, Ordering::Relaxed);
+                match e {
+                    DialError::Rejected => {
+                        "rejected by the hub: not in its allowed_peers".to_owned()
+                    }
+                    DialError::Failed(t) => t,
+                }
+            }
+        };
+        if ctx.cancel.is_cancelled() {
+            break;
+        }
+        log::warn!("ephemeral client: hub {}: {why}", ctx.cfg.hub.addr);
+        *ctx.last_error.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
+        if !ctx.cfg.auto_reconnect {
+            ctx.dead.store(true, Ordering::Release);
+            if let Some(r) = ready.take() {
+                let _ = r.send(Err(why.clone()));
+            }
+            fail_all(&mut rx, &why);
+            return;
+        }
+        tokio::select! {
+            _ = ctx.cancel.cancelled() => break,
+            _ = tokio::time::sleep(jittered(delay, link.reconnect_jitter)) => {}
+        }
+        delay = (delay * 2).min(max);
+    }
+    fail_all(&mut rx, "client closed");
+}
+
+/// One connection: sends queued frames stop-and-wait, hands received frames
+/// to the handler and acknowledges them. Returns why it ended.
+async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) -> String {
+    let (sink, mut stream) = ws.split();
+    let sink = Arc::new(tokio::sync::Mutex::new(sink));
+    let (ack_tx, mut ack_rx) = mpsc::channel::<()>(4);
+    let conn_cancel = ctx.cancel.child_token();
+    let reader = {
+        let (ctx, sink, cancel) = (ctx.clone(), sink.clone(), conn_cancel.clone());
+        tokio::spawn(async move {
+            let mut seen: LruCache<String, ()> =
+                LruCache::new(NonZeroUsize::new(DEDUP_PER_CONNECTION).expect("non-zero"));
+            loop {
+                let next = tokio::select! {
+                    _ = cancel.cancelled() => return "closed".to_owned(),
+                    r = tokio::time::timeout(READ_TIMEOUT, stream.next()) => r,
+                };
+                let msg = match next {
+                    Err(_) => return format!("nothing received for {}s", READ_TIMEOUT.as_secs()),
+                    Ok(None) => return "connection closed".to_owned(),
+                    Ok(Some(Err(e))) => return e.to_string(),
+                    Ok(Some(Ok(m))) => m,
+                };
+                match msg {
+                    Message::Binary(body) => {
+                        let Ok(records) = split_batch(&body) else {
+                            return "malformed batch from the hub".to_owned();
+                        };
+                        let mut fresh = Vec::new();
+                        let mut last_id = String::new();
+                        for rec in records {
+                            let Ok(env) = Envelope::decode(rec) else {
+                                continue;
+                            };
+                            if seen.put(env.id.clone(), ()).is_some() {
+                                continue;
+                            }
+                            last_id = env.id.clone();
+                            fresh.push(env);
+                        }
+                        let handler = ctx
+                            .handler
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .clone();
+                        if let (Some(h), false) = (handler, fresh.is_empty()) {
+                            let _ = tokio::task::spawn_blocking(move || h(fresh)).await;
+                        }
+                        let ack = Message::Text(Ack { last_id }.to_json().into());
+                        if let Err(e) = sink.lock().await.send(ack).await {
+                            return format!("cannot send acknowledgement: {e}");
+                        }
+                    }
+                    Message::Text(_) => {
+                        let _ = ack_tx.try_send(());
+                    }
+                    Message::Close(_) => return "hub closed the connection".to_owned(),
+                    _ => {}
+                }
+            }
+        })
+    };
+    tokio::pin!(reader);
+    let mut ping = tokio::time::interval(PING_INTERVAL);
+    ping.tick().await;
+    let max_bytes = ctx.cfg.federation.max_batch_bytes.max(1);
+    let why = loop {
+        let first = tokio::select! {
+            r = &mut reader => break r.unwrap_or_else(|e| e.to_string()),
+            _ = ctx.cancel.cancelled() => break "closed".to_owned(),
+            _ = ping.tick() => {
+                if sink.lock().await.send(Message::Ping(Vec::new().into())).await.is_err() {
+                    break "cannot send a ping".to_owned();
+                }
+                continue;
+            }
+            p = rx.recv() => match p {
+                Some(p) => p,
+                None => break "closed".to_owned(),
+            },
+        };
+        // Everything queued right now goes in one frame, up to the size limit.
+        let mut body = first.body;
+        let mut waiting = vec![first.done];
+        while body.len() < max_bytes {
+            match rx.try_recv() {
+                Ok(p) => {
+                    body.extend_from_slice(&p.body);
+                    waiting.push(p.done);
+                }
+                Err(_) => break,
+            }
+        }
+        ctx.status
+            .unacked_bytes
+            .store(body.len() as u64, Ordering::Relaxed);
+        let sent_at = std::time::Instant::now();
+        if let Err(e) = sink.lock().await.send(Message::Binary(body.into())).await {
+            let why = format!("cannot send: {e}");
+            for w in waiting {
+                let _ = w.send(Err(why.clone()));
+            }
+            break why;
+        }
+        let acked = tokio::select! {
+            r = &mut reader => Err(r.unwrap_or_else(|e| e.to_string())),
+            _ = ctx.cancel.cancelled() => Err("closed".to_owned()),
+            r = tokio::time::timeout(ACK_TIMEOUT, ack_rx.recv()) => match r {
+                Ok(Some(())) => Ok(()),
+                Ok(None) => Err("connection closed".to_owned()),
+                Err(_) => Err(format!("no acknowledgement within {}s", ACK_TIMEOUT.as_secs())),
+            },
+        };
+        ctx.status.unacked_bytes.store(0, Ordering::Relaxed);
+        match acked {
+            Ok(()) => {
+                ctx.status.rtt.record(sent_at.elapsed());
+                for w in waiting {
+                    let _ = w.send(Ok(()));
+                }
+            }
+            Err(why) => {
+                for w in waiting {
+                    let _ = w.send(Err(why.clone()));
+                }
+                break why;
+            }
+        }
+    };
+    conn_cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        sink.lock().await.close().await
+    })
+    .await;
+    why
+}
