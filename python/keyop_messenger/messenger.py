@@ -63,6 +63,7 @@ class Messenger:
             segment_bytes=max(storage.compaction_threshold_mb, 0) * _MIB,
         )
         self._engine.start_retention(int(RETENTION_INTERVAL_S * 1000), **self._retention())
+        self._publish = self._engine.publish
         _OPEN.add(self)
         if config.hub.enabled or config.client.enabled:
             try:
@@ -137,9 +138,14 @@ class Messenger:
         10 MiB, :class:`StorageError` if it was not committed, and
         :class:`ClosedError` after :meth:`close`.
         """
-        self._registry.check(payload_type, payload)
-        service, corr = self._meta(service_name, correlation_id)
-        return self._engine.publish(channel, payload_type, payload, service, corr, to_plain)
+        # The hot path: a dict lookup when types are registered, one context read.
+        if self._registry.entries and payload_type in self._registry.entries:
+            self._registry.check(payload_type, payload)
+        if service_name is None or correlation_id is None:
+            ctx_service, ctx_corr = current_context()
+            service_name = ctx_service if service_name is None else service_name
+            correlation_id = ctx_corr if correlation_id is None else correlation_id
+        return self._publish(channel, payload_type, payload, service_name, correlation_id, to_plain)
 
     def publish_batch(
         self,

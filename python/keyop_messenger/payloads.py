@@ -69,6 +69,8 @@ class PayloadRegistry:
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
+        #: Registered names (read-only view; lets publish skip the check cheaply).
+        self.entries: Mapping[str, object] = self._entries
         self._lock = threading.Lock()
 
     def register(self, name: str, cls: type) -> None:
