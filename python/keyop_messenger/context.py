@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-__all__ = ["context", "current_context"]
+__all__ = ["context", "current_context", "resolve"]
 
 _CONTEXT: contextvars.ContextVar[tuple[str | None, str | None]] = contextvars.ContextVar(
     "keyop_messenger_context", default=(None, None)
@@ -39,3 +39,14 @@ def context(
 def current_context() -> tuple[str | None, str | None]:
     """The ``(service_name, correlation_id)`` in effect."""
     return _CONTEXT.get()
+
+
+def resolve(
+    service_name: str | None, correlation_id: str | None
+) -> tuple[str | None, str | None]:
+    """Explicit values, else the ones of the enclosing :func:`context` block."""
+    if service_name is None or correlation_id is None:
+        ctx_service, ctx_corr = _CONTEXT.get()
+        service_name = ctx_service if service_name is None else service_name
+        correlation_id = ctx_corr if correlation_id is None else correlation_id
+    return service_name, correlation_id

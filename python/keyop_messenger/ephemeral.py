@@ -18,7 +18,7 @@ from typing import Any
 
 from . import _core
 from .config import Config, load_config
-from .context import current_context
+from .context import resolve
 from .errors import ConfigError
 from .message import message_from_parts
 from .payloads import PayloadRegistry, to_plain
@@ -123,13 +123,6 @@ class EphemeralMessenger:
                 except Exception:
                     log.exception("ephemeral: handler failed on %s", message.id)
 
-    def _meta(self, service_name: str | None, correlation_id: str | None) -> tuple[Any, Any]:
-        ctx_service, ctx_corr = current_context()
-        return (
-            service_name if service_name is not None else ctx_service,
-            correlation_id if correlation_id is not None else ctx_corr,
-        )
-
     def publish(
         self,
         channel: str,
@@ -158,10 +151,8 @@ class EphemeralMessenger:
         """Publishes ``(payload_type, payload)`` pairs in one frame; returns
         their ids once the hub committed and acknowledged the frame."""
         pairs = list(items)
-        for pair in pairs:
-            if isinstance(pair, tuple) and len(pair) == 2:
-                self._registry.check(pair[0], pair[1])
-        service, corr = self._meta(service_name, correlation_id)
+        self._registry.check_batch(pairs)
+        service, corr = resolve(service_name, correlation_id)
         return self._client.publish_batch(channel, pairs, service, corr, to_plain)
 
     def status(self) -> dict[str, Any]:

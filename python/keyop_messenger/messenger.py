@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _core
 from .config import Config, load_config
-from .context import current_context
+from .context import resolve
 from .message import LogEntry, entry_from_row
 from .payloads import PayloadRegistry, to_plain
 from .stats import Stats, stats_from_engine
@@ -112,15 +112,6 @@ class Messenger:
         against it and delivered payloads are decoded into it."""
         self._registry.register(name, cls)
 
-    def _meta(
-        self, service_name: str | None, correlation_id: str | None
-    ) -> tuple[str | None, str | None]:
-        ctx_service, ctx_corr = current_context()
-        return (
-            service_name if service_name is not None else ctx_service,
-            correlation_id if correlation_id is not None else ctx_corr,
-        )
-
     def publish(
         self,
         channel: str,
@@ -141,10 +132,7 @@ class Messenger:
         # The hot path: a dict lookup when types are registered, one context read.
         if self._registry.entries and payload_type in self._registry.entries:
             self._registry.check(payload_type, payload)
-        if service_name is None or correlation_id is None:
-            ctx_service, ctx_corr = current_context()
-            service_name = ctx_service if service_name is None else service_name
-            correlation_id = ctx_corr if correlation_id is None else correlation_id
+        service_name, correlation_id = resolve(service_name, correlation_id)
         return self._publish(channel, payload_type, payload, service_name, correlation_id, to_plain)
 
     def publish_batch(
@@ -158,11 +146,8 @@ class Messenger:
         """Publishes ``(payload_type, payload)`` pairs with one write and one
         fsync: all are committed or none is. Returns their ids in order."""
         pairs = list(items)
-        for pair in pairs:
-            # The engine reports items that are not 2-tuples.
-            if isinstance(pair, tuple) and len(pair) == 2:
-                self._registry.check(pair[0], pair[1])
-        service, corr = self._meta(service_name, correlation_id)
+        self._registry.check_batch(pairs)
+        service, corr = resolve(service_name, correlation_id)
         return self._engine.publish_batch(channel, pairs, service, corr, to_plain)
 
     def subscribe(self, channel: str, subscriber_id: str, handler: Handler) -> Subscription:

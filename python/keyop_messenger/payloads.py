@@ -118,6 +118,14 @@ class PayloadRegistry:
                 f"got {type(payload).__name__}"
             )
 
+    def check_batch(self, items: list[Any]) -> None:
+        """:meth:`check` for each ``(payload_type, payload)`` pair of a batch;
+        items of another shape are left for the engine to report."""
+        if self.entries:
+            for item in items:
+                if isinstance(item, tuple) and len(item) == 2:
+                    self.check(item[0], item[1])
+
     def decode(self, name: str, data: Any) -> Any:
         """Turns decoded JSON ``data`` into the type registered for ``name``
         (plain data when unregistered). Raises :class:`PayloadTypeError` when
