@@ -39,7 +39,8 @@ class ChannelStats:
 
     name: str
     messages_published: int
-    """Records appended since this messenger opened (local, batch and federated)."""
+    """Records appended since this messenger opened: local publishes, batches,
+    federated records and, on a ``.dead-letter`` channel, its dead letters."""
     stream_bytes: int
     """Stream end: global offset the next record gets."""
     disk_bytes: int

@@ -317,8 +317,31 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
     let sink = Arc::new(tokio::sync::Mutex::new(sink));
     let (ack_tx, mut ack_rx) = mpsc::channel::<()>(4);
     let conn_cancel = ctx.cancel.child_token();
+    // Received frames are handed to the handler and acknowledged, in order,
+    // by their own task, so the reader keeps reading the acknowledgements of
+    // our publishes meanwhile (a handler may publish and wait for one).
+    let (deliver_tx, mut deliver_rx) = mpsc::channel::<(Vec<Envelope>, String)>(4);
+    let deliverer = {
+        let (ctx, sink) = (ctx.clone(), sink.clone());
+        tokio::spawn(async move {
+            while let Some((fresh, last_id)) = deliver_rx.recv().await {
+                let handler = ctx
+                    .handler
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                if let (Some(h), false) = (handler, fresh.is_empty()) {
+                    let _ = tokio::task::spawn_blocking(move || h(fresh)).await;
+                }
+                let ack = Message::Text(Ack { last_id }.to_json().into());
+                if sink.lock().await.send(ack).await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
     let reader = {
-        let (ctx, sink, cancel) = (ctx.clone(), sink.clone(), conn_cancel.clone());
+        let cancel = conn_cancel.clone();
         tokio::spawn(async move {
             let mut seen: LruCache<String, ()> =
                 LruCache::new(NonZeroUsize::new(DEDUP_PER_CONNECTION).expect("non-zero"));
@@ -350,17 +373,8 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
                             last_id = env.id.clone();
                             fresh.push(env);
                         }
-                        let handler = ctx
-                            .handler
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .clone();
-                        if let (Some(h), false) = (handler, fresh.is_empty()) {
-                            let _ = tokio::task::spawn_blocking(move || h(fresh)).await;
-                        }
-                        let ack = Message::Text(Ack { last_id }.to_json().into());
-                        if let Err(e) = sink.lock().await.send(ack).await {
-                            return format!("cannot send acknowledgement: {e}");
+                        if deliver_tx.send((fresh, last_id)).await.is_err() {
+                            return "the connection is closing".to_owned();
                         }
                     }
                     Message::Text(_) => {
@@ -440,6 +454,7 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
         }
     };
     conn_cancel.cancel();
+    deliverer.abort();
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         sink.lock().await.close().await
     })
