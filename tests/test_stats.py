@@ -246,7 +246,7 @@ def test_reopened_channel_counts_from_zero(tmp_path: Path, start: Starter) -> No
     assert reader.active is False
 
 
-def test_dead_letter_appends_count_on_the_dead_letter_channel_only(tmp_path: Path, start: Starter) -> None:
+def test_dead_letters_count_on_their_own_channel(tmp_path: Path, start: Starter) -> None:
     data_dir = tmp_path / "data"
     m = start(local_config(data_dir, max_retries=0))
     failed = threading.Event()
