@@ -238,6 +238,7 @@ async fn dial_loop(
                             peer: ep.addr.clone(),
                             received: None,
                             link: Some(status.clone()),
+                            dead_letters: true,
                         };
                         link::run(
                             shared.clone(),

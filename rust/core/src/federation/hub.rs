@@ -282,6 +282,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
         peer: peer.clone(),
         received: Some(state.counters.records_received.clone()),
         link: None,
+        dead_letters: false,
     };
     let ended = link::run(shared.clone(), ws, out, inbound, cancel).await;
     {

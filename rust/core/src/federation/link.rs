@@ -103,6 +103,9 @@ pub struct Inbound {
     pub received: Option<Arc<std::sync::atomic::AtomicU64>>,
     /// Round trips and unacknowledged bytes of our batches (client links).
     pub link: Option<Arc<super::client::LinkStatus>>,
+    /// Accept records for `.dead-letter` channels (a client receiving what
+    /// its hub streams; never a hub receiving from a client).
+    pub dead_letters: bool,
 }
 
 /// Runs a connection until it fails, the peer goes away, or `cancel` fires.
@@ -223,7 +226,14 @@ async fn receive_batch(
         if env.id.is_empty() || in_batch.contains(&env.id) || shared.seen.contains(&env.id) {
             continue;
         }
-        let allowed = validate_name(NameKind::Channel, &env.channel).is_ok()
+        // Peers may not write dead letters into a hub: those are only made
+        // by a subscriber on the instance that holds the channel.
+        let kind = if inbound.dead_letters {
+            NameKind::Channel
+        } else {
+            NameKind::PublishChannel
+        };
+        let allowed = validate_name(kind, &env.channel).is_ok()
             && inbound
                 .allow
                 .as_ref()
