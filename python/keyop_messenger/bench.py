@@ -1,0 +1,379 @@
+"""The benchmark suite behind ``keyop-messenger bench``.
+
+Every figure is the median of several runs and is printed next to a raw probe
+measured in the same run (a write+fdatasync loop for durable figures, a
+loopback TLS echo for federated ones), so results read as ratios to what the
+machine can do. ``--json`` prints one JSON object; ``--quick`` stays under a
+minute. Pin it to one core to stand in for a small board::
+
+    taskset -c 0 keyop-messenger bench --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PAYLOAD = {"sensor": "t-17", "celsius": 21.5, "seq": 0, "ok": True}
+TYPE = "bench.Reading"
+
+
+def _median(runs: int, measure: Callable[[], float]) -> float:
+    return statistics.median(measure() for _ in range(runs))
+
+
+def _rate(seconds: float, step: Callable[[], int]) -> float:
+    """Runs ``step`` (returns messages done) for ``seconds``; messages per second."""
+    done = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    while time.perf_counter() < deadline:
+        done += step()
+    return done / (time.perf_counter() - start)
+
+
+class Suite:
+    """Runs the measurements in a scratch directory."""
+
+    def __init__(self, root: Path, seconds: float, runs: int) -> None:
+        self.root = root
+        self.seconds = seconds
+        self.runs = runs
+        self.results: dict[str, Any] = {}
+        self.rows: list[tuple[str, str, str]] = []
+        self._n = 0
+
+    def _dir(self, name: str) -> str:
+        self._n += 1
+        return str(self.root / f"{name}-{self._n}")
+
+    def messenger(self, sync_interval_ms: int, **extra: Any) -> Any:
+        import keyop_messenger as km
+
+        doc: dict[str, Any] = {
+            "name": "bench",
+            "storage": {
+                "data_dir": self._dir("local"),
+                "sync_interval_ms": sync_interval_ms,
+                "offset_flush_interval_ms": 100,
+            },
+        }
+        doc.update(extra)
+        return km.Messenger(km.Config.from_dict(doc))
+
+    def record(self, key: str, value: float, label: str, ratio: str = "") -> None:
+        self.results[key] = round(value, 1)
+        self.rows.append((label, f"{value:,.0f}", ratio))
+
+    # -- local -----------------------------------------------------------
+
+    def raw_fdatasync(self) -> float:
+        record = b"x" * 199 + b"\n"
+        path = self.root / "raw.probe"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+
+            def step() -> int:
+                os.write(fd, record)
+                os.fdatasync(fd)
+                return 1
+
+            return _rate(self.seconds, step)
+        finally:
+            os.close(fd)
+
+    def publish_threads(self, threads: int) -> float:
+        with self.messenger(0) as m:
+            counts = [0] * threads
+            stop = time.perf_counter() + self.seconds
+
+            def worker(i: int) -> None:
+                n = 0
+                while time.perf_counter() < stop:
+                    m.publish("bench", TYPE, PAYLOAD)
+                    n += 1
+                counts[i] = n
+
+            start = time.perf_counter()
+            pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+            return sum(counts) / (time.perf_counter() - start)
+
+    def publish_batch(self, size: int) -> float:
+        with self.messenger(0) as m:
+            items = [(TYPE, PAYLOAD)] * size
+            return _rate(self.seconds, lambda: len(m.publish_batch("bench", items)))
+
+    def publish_relaxed(self) -> float:
+        with self.messenger(200) as m:
+            return _rate(self.seconds, lambda: (m.publish("bench", TYPE, PAYLOAD), 1)[1])
+
+    def subscribe_relaxed(self, n: int) -> float:
+        """Delivery rate of ``n`` stored messages into a no-op handler."""
+        with self.messenger(200) as m:
+            items = [(TYPE, PAYLOAD)] * 1000
+            for _ in range(n // 1000):
+                m.publish_batch("bench", items)
+            return _deliver_backlog(m, n)
+
+    # -- federated -------------------------------------------------------
+
+    def pki(self) -> Path:
+        from . import cli
+
+        d = self.root / "pki"
+        d.mkdir(exist_ok=True)
+        quiet = open(os.devnull, "w")
+        real_stdout = sys.stdout
+        sys.stdout = quiet
+        try:
+            cli.main(["keygen", "ca", "--out-cert", f"{d}/ca.crt", "--out-key", f"{d}/ca.key"])
+            for name in ("bench-hub", "bench-client"):
+                cli.main([
+                    "keygen", "instance", "--ca", f"{d}/ca.crt", "--ca-key", f"{d}/ca.key",
+                    "--name", name, "--san", "127.0.0.1",
+                    "--out-cert", f"{d}/{name}.crt", "--out-key", f"{d}/{name}.key",
+                ])  # fmt: skip
+        finally:
+            sys.stdout = real_stdout
+            quiet.close()
+        return d
+
+    def tls_echo(self, pki: Path) -> tuple[float, float]:
+        """Round trips per second and p50 (us) of a 200-byte TLS echo on loopback."""
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ctx.load_cert_chain(pki / "bench-hub.crt", pki / "bench-hub.key")
+        client_ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                while data := tls.recv(4096):
+                    tls.sendall(data)
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        lat: list[float] = []
+        with socket.create_connection(("127.0.0.1", port)) as raw, client_ctx.wrap_socket(
+            raw, server_hostname="127.0.0.1"
+        ) as tls:
+            msg = b"x" * 200
+            deadline = time.perf_counter() + self.seconds
+            while time.perf_counter() < deadline:
+                t0 = time.perf_counter()
+                tls.sendall(msg)
+                got = 0
+                while got < len(msg):
+                    got += len(tls.recv(4096))
+                lat.append(time.perf_counter() - t0)
+        listener.close()
+        t.join(timeout=5)
+        return len(lat) / sum(lat), statistics.median(lat) * 1e6
+
+    def federated(self, pki: Path, n: int) -> tuple[float, float, float]:
+        """Relaxed client -> hub throughput (msg/s arriving at a hub
+        subscriber), and ephemeral publish round trip p50/p99 (us)."""
+        import keyop_messenger as km
+
+        tls = {"ca": str(pki / "ca.crt")}
+        hub = self.messenger(
+            200,
+            hub={
+                "enabled": True,
+                "listen_addr": "127.0.0.1:0",
+                "allowed_peers": [{"name": "bench-client"}],
+            },
+            tls={**tls, "cert": str(pki / "bench-hub.crt"), "key": str(pki / "bench-hub.key")},
+        )
+        try:
+            port = hub.hub_address[1]
+            arrived = 0
+            done = threading.Event()
+
+            def on_hub(_msg: Any) -> None:
+                nonlocal arrived
+                arrived += 1
+                if arrived == n:
+                    done.set()
+
+            hub.subscribe("fed", "count", on_hub)
+            client_tls = {
+                **tls,
+                "cert": str(pki / "bench-client.crt"),
+                "key": str(pki / "bench-client.key"),
+            }
+            client = self.messenger(
+                200,
+                name="bench-client",
+                client={
+                    "enabled": True,
+                    "hubs": [{"addr": f"127.0.0.1:{port}", "publish": ["fed"]}],
+                },
+                tls=client_tls,
+            )
+            try:
+                start = time.perf_counter()
+                items = [(TYPE, PAYLOAD)] * 1000
+                for _ in range(n // 1000):
+                    client.publish_batch("fed", items)
+                if not done.wait(120):
+                    raise RuntimeError(f"only {arrived} of {n} federated messages arrived")
+                throughput = n / (time.perf_counter() - start)
+            finally:
+                client.close()
+            cfg = km.Config.from_dict(
+                {
+                    "name": "bench-client",
+                    "storage": {"data_dir": self._dir("unused")},
+                    "client": {"hubs": [{"addr": f"127.0.0.1:{port}"}]},
+                    "tls": client_tls,
+                }
+            )
+            lat: list[float] = []
+            with km.EphemeralMessenger(cfg) as e:
+                deadline = time.perf_counter() + self.seconds
+                while time.perf_counter() < deadline:
+                    t0 = time.perf_counter()
+                    e.publish("rtt", TYPE, PAYLOAD)
+                    lat.append(time.perf_counter() - t0)
+            q = statistics.quantiles(lat, n=100)
+            return throughput, q[49] * 1e6, q[98] * 1e6
+        finally:
+            hub.close()
+
+
+def _deliver_backlog(m: Any, n: int) -> float:
+    """Subscribes an id whose offset file says 0 (a new id would start at the
+    end) and times the delivery of the ``n`` stored messages."""
+    data_dir = Path(m.config.storage.data_dir)
+    sub_dir = data_dir / "subscribers" / "bench"
+    sub_dir.mkdir(parents=True, exist_ok=True)
+    (sub_dir / "replay.offset").write_text("0\n")
+    seen = 0
+    done = threading.Event()
+
+    def handler(_msg: Any) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == n:
+            done.set()
+
+    start = time.perf_counter()
+    sub = m.subscribe("bench", "replay", handler)
+    if not done.wait(120):
+        raise RuntimeError(f"only {seen} of {n} messages delivered")
+    rate = n / (time.perf_counter() - start)
+    sub.close()
+    return rate
+
+
+def rss_idle_client_mb() -> float:
+    """Resident memory of an idle client with 2 hubs configured, above a bare
+    interpreter (measured in child processes)."""
+    probe = (
+        "import sys, re\n"
+        "def rss():\n"
+        "    return int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"
+        "if sys.argv[1] == 'bare':\n"
+        "    print(rss()); raise SystemExit\n"
+        "import tempfile, time, keyop_messenger as km\n"
+        "from keyop_messenger import cli\n"
+        "d = tempfile.mkdtemp()\n"
+        "import contextlib, io\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    cli.main(['keygen','ca','--out-cert',d+'/ca.crt','--out-key',d+'/ca.key'])\n"
+        "    cli.main(['keygen','instance','--ca',d+'/ca.crt','--ca-key',d+'/ca.key','--name','c',"
+        "'--out-cert',d+'/c.crt','--out-key',d+'/c.key'])\n"
+        "cfg = km.Config.from_dict({'name':'c','storage':{'data_dir':d+'/data'},"
+        "'client':{'enabled':True,'hubs':[{'addr':'127.0.0.1:9','publish':['a']},"
+        "{'addr':'127.0.0.1:9','publish':['b']}]},"
+        "'tls':{'cert':d+'/c.crt','key':d+'/c.key','ca':d+'/ca.crt'}})\n"
+        "m = km.Messenger(cfg); m.publish('a','t',{}); time.sleep(1.0); print(rss()); m.close()\n"
+    )
+    bare = int(subprocess.run([sys.executable, "-c", probe, "bare"], capture_output=True,
+                              text=True, check=True).stdout.split()[-1])
+    client = int(subprocess.run([sys.executable, "-c", probe, "client"], capture_output=True,
+                                text=True, check=True, timeout=60).stdout.split()[-1])
+    return (client - bare) / 1024
+
+
+def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+    seconds, runs, n = (0.5, 1, 50_000) if quick else (2.0, 3, 300_000)
+    root = Path(tempfile.mkdtemp(prefix="keyop-bench-"))
+    suite = Suite(root, seconds, runs)
+    try:
+        raw = _median(runs, suite.raw_fdatasync)
+        suite.record("raw_fdatasync_per_s", raw, "raw write+fdatasync (200 B)", "1.00 x raw")
+        one = 0.0
+        for threads in (1, 4, 16, 64):
+            rate = _median(runs, lambda t=threads: suite.publish_threads(t))
+            if threads == 1:
+                one = rate
+            ratio = f"{rate / raw:.2f} x raw" if threads == 1 else f"{rate / one:.1f} x 1 thread"
+            suite.record(f"publish_durable_{threads}_per_s", rate,
+                         f"durable publish, {threads} thread(s)", ratio)
+        for size in (10, 100, 1000):
+            rate = _median(runs, lambda s=size: suite.publish_batch(s))
+            suite.record(f"publish_batch_{size}_durable_per_s", rate,
+                         f"durable publish_batch({size})", f"{rate / raw:.0f} x raw")
+        relaxed = _median(runs, suite.publish_relaxed)
+        suite.record("publish_relaxed_per_s", relaxed, "relaxed publish (sync 200 ms)",
+                     "target >= 250,000")
+        sub = _median(runs, lambda: suite.subscribe_relaxed(n))
+        suite.record("subscribe_relaxed_per_s", sub, "subscribe -> no-op handler",
+                     "target >= 300,000")
+        pki = suite.pki()
+        echo_rate, echo_p50 = suite.tls_echo(pki)
+        suite.record("raw_tls_echo_per_s", echo_rate, "raw loopback TLS echo (200 B)",
+                     f"p50 {echo_p50:.0f} us")
+        fed, p50, p99 = suite.federated(pki, n)
+        suite.record("federated_relaxed_per_s", fed, "federated client -> hub (relaxed)",
+                     "target >= 100,000")
+        suite.record("federated_rtt_p50_us", p50, "federated round trip p50 (us)",
+                     f"{p50 / echo_p50:.1f} x TLS echo; target < 1000")
+        suite.record("federated_rtt_p99_us", p99, "federated round trip p99 (us)")
+        rss = rss_idle_client_mb()
+        suite.record("rss_idle_client_mb", rss, "RSS of an idle 2-hub client (MB)",
+                     "above the interpreter; target < 20")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return suite.results, suite.rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``keyop-messenger bench``."""
+    ap = argparse.ArgumentParser(prog="keyop-messenger bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="one short run of each (< 60 s)")
+    args = ap.parse_args(argv)
+    results, rows = run(args.quick)
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+        return 0
+    print(f"{'case':<40} {'value':>12}  ratio")
+    print("-" * 80)
+    for label, value, ratio in rows:
+        print(f"{label:<40} {value:>12}  {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
