@@ -782,7 +782,8 @@ def test_round_trip_non_default_values() -> None:
 def test_to_dict_yaml_shape_has_every_key() -> None:
     d = Config(name="n").to_dict()
     assert set(d) == {
-        "name", "storage", "subscribers", "hub", "client", "tls", "federation", "dedup", "audit"
+        "name", "storage", "subscribers", "hub", "client", "tls", "federation", "dedup", "audit",
+        "metrics",
     }
     assert set(d["storage"]) == {
         "data_dir", "sync_interval_ms", "max_subscriber_lag_mb",
@@ -804,3 +805,12 @@ def test_from_dict_does_not_alias_input_lists() -> None:
     cfg = Config.from_dict(d)
     publish.append("b")
     assert cfg.client.hubs[0].publish == ["a"]
+
+
+def test_metrics_listen_addr_is_checked() -> None:
+    assert Config.from_dict(
+        {"storage": {"data_dir": "/d"}, "metrics": {"listen_addr": "127.0.0.1:0"}}
+    ).metrics.listen_addr == "127.0.0.1:0"
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict({"storage": {"data_dir": "/d"}, "metrics": {"listen_addr": "nope"}})
+    assert [p.split(":")[0] for p in info.value.problems] == ["metrics.listen_addr"]

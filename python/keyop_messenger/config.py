@@ -71,6 +71,7 @@ __all__ = [
     "FederationConfig",
     "HubConfig",
     "HubEndpoint",
+    "MetricsConfig",
     "StorageConfig",
     "SubscribersConfig",
     "TLSConfig",
@@ -377,6 +378,20 @@ class AuditConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """The ``metrics`` section (new in this implementation, not a 1.4 key).
+
+    Attributes:
+        listen_addr: ``host:port`` where ``GET /metrics`` serves ``Messenger.stats()``
+            in the Prometheus text format (an empty host listens on every interface;
+            port 0 picks a free port, see ``Messenger.metrics_address``). Empty
+            (default): no metrics listener.
+    """
+
+    listen_addr: str = ""
+
+
+@dataclass
 class Config:
     """The whole configuration of one messenger instance (the YAML document).
 
@@ -397,6 +412,7 @@ class Config:
         federation: The ``federation`` section.
         dedup: The ``dedup`` section.
         audit: The ``audit`` section.
+        metrics: The ``metrics`` section.
     """
 
     name: str = field(default_factory=_default_name)
@@ -408,6 +424,7 @@ class Config:
     federation: FederationConfig = field(default_factory=FederationConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Config:
@@ -496,6 +513,7 @@ _SECTIONS: dict[str, type] = {
     "FederationConfig": FederationConfig,
     "DedupConfig": DedupConfig,
     "AuditConfig": AuditConfig,
+    "MetricsConfig": MetricsConfig,
 }
 _ITEM_LISTS: dict[str, type] = {
     "list[AllowedPeer]": AllowedPeer,
@@ -831,6 +849,14 @@ def _check_config(config: Config, problems: _Problems) -> None:
     _positive(problems, config.dedup, "dedup", "seen_id_lru_size")
     _positive(problems, config.audit, "audit", "max_size_mb")
     _positive(problems, config.audit, "audit", "max_files")
+
+    if problems.usable("metrics.listen_addr"):
+        addr = config.metrics.listen_addr
+        if addr != "" and _split_host_port(addr) is None:
+            problems.add(
+                "metrics.listen_addr",
+                f"must be host:port with a port between 0 and 65535, got {addr!r}",
+            )
 
 
 def _check_hub(config: Config, problems: _Problems) -> None:

@@ -85,3 +85,7 @@ class ConnectionLostError(KeyopError, ConnectionError):
 class BufferFullError(KeyopError):
     """The ephemeral client's bounded outbound buffer is full; the message was
     not queued. Retry later or raise ``federation.send_buffer_messages``."""
+
+
+class MetricsError(KeyopError, OSError):
+    """The metrics listener could not start (bad address, port in use)."""

@@ -16,6 +16,7 @@ from . import _core
 from .config import Config, load_config
 from .context import resolve
 from .message import LogEntry, entry_from_row
+from .metrics import MetricsServer
 from .payloads import PayloadRegistry, to_plain
 from .stats import Stats, stats_from_engine
 from .subscription import Deliverer, Handler, Subscription
@@ -54,6 +55,7 @@ class Messenger:
         self._registry = PayloadRegistry()
         self._lock = threading.Lock()
         self._closed = False
+        self._metrics: MetricsServer | None = None
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
         storage = config.storage
         self._engine = _core.Engine(
@@ -68,6 +70,12 @@ class Messenger:
         if config.hub.enabled or config.client.enabled:
             try:
                 self._engine.start_federation(json.dumps(_federation_settings(config)))
+            except BaseException:
+                self.close()
+                raise
+        if config.metrics.listen_addr:
+            try:
+                self._metrics = MetricsServer(self, config.metrics.listen_addr).start()
             except BaseException:
                 self.close()
                 raise
@@ -89,6 +97,12 @@ class Messenger:
     def name(self) -> str:
         """The instance name, written as ``origin`` in published envelopes."""
         return self._config.name
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the ``/metrics`` listener is bound to (useful with
+        port 0), or None when ``metrics.listen_addr`` is empty."""
+        return self._metrics.address if self._metrics is not None else None
 
     @property
     def hub_address(self) -> tuple[str, int] | None:
@@ -212,6 +226,8 @@ class Messenger:
                 return
             self._closed = True
         _OPEN.discard(self)
+        if self._metrics is not None:
+            self._metrics.close()
         for subscription in list(self._subscriptions):
             subscription._deliverer.stop()
         self._engine.close()

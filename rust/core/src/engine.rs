@@ -204,10 +204,19 @@ impl Engine {
         validate_name(NameKind::SubscriberId, id)?;
         let mut subs = self.subs();
         let key = (channel.to_owned(), id.to_owned());
-        if subs.contains_key(&key) {
-            return Err(Error::Subscription(format!(
-                "subscriber {id:?} is already subscribed to channel {channel:?}; close that subscription first"
-            )));
+        if let Some(existing) = subs.get(&key) {
+            if !existing.is_stopped() {
+                return Err(Error::Subscription(format!(
+                    "subscriber {id:?} is already subscribed to channel {channel:?}; close that subscription first"
+                )));
+            }
+            if !existing.is_finished() {
+                // Closed from its own handler: its thread still persists the offset.
+                return Err(Error::Subscription(format!(
+                    "subscriber {id:?} of channel {channel:?} is still stopping; try again shortly"
+                )));
+            }
+            subs.remove(&key);
         }
         let writer = self.store.writer(channel)?;
         let dead_letters = if channel.ends_with(envelope::DEAD_LETTER_SUFFIX) {
@@ -236,6 +245,13 @@ impl Engine {
     /// Stops `sub` (its offset is kept) and forgets it, unless another
     /// subscription has replaced it under the same id. Idempotent.
     pub fn release(&self, sub: &Arc<Subscriber>) {
+        if sub.is_current_thread() {
+            // From its own handler: signal only; the entry stays until the
+            // thread has ended, so the same id cannot start a second writer
+            // of its offset file meanwhile.
+            sub.stop();
+            return;
+        }
         let key = (sub.channel().to_owned(), sub.id().to_owned());
         {
             let mut subs = self.subs();

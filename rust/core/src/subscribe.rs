@@ -242,13 +242,32 @@ impl Subscriber {
         self.position.load(Ordering::Acquire)
     }
 
+    /// Whether a stop was requested.
+    pub fn is_stopped(&self) -> bool {
+        self.stop.is_set()
+    }
+
+    /// Whether the delivery thread has ended (after a stop).
+    pub fn is_finished(&self) -> bool {
+        self.thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_none_or(|h| h.is_finished())
+    }
+
+    /// Whether the caller runs on this subscriber's delivery thread (its handler).
+    pub fn is_current_thread(&self) -> bool {
+        thread::current().id() == self.thread_id
+    }
+
     /// Stops delivery, waits for a handler call in progress to return, and
     /// persists the offset. Idempotent. Called from the subscriber's own
     /// handler it only signals: the thread ends when the handler returns.
     pub fn stop(&self) {
         self.stop.set();
         self.writer.notifier().wake_all();
-        if thread::current().id() == self.thread_id {
+        if self.is_current_thread() {
             return;
         }
         let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();

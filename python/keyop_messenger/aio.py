@@ -1,0 +1,572 @@
+"""asyncio face of :class:`Messenger` and :class:`EphemeralMessenger`.
+
+::
+
+    import keyop_messenger as km
+    from keyop_messenger.aio import AsyncMessenger
+
+    async def on_reading(msg: km.Message) -> None:
+        await store(msg.payload)              # raising means: retry later
+
+    async def main() -> None:
+        async with AsyncMessenger("keyop.yaml") as m:
+            await m.subscribe("temps", "recorder", on_reading)
+            msg_id = await m.publish("temps", "demo.Reading", {"celsius": 21.5})
+
+    asyncio.run(main())
+
+How it works:
+
+* Blocking calls (``publish`` waits for the fsync, ``close`` for the handler in
+  progress) run on a small thread pool owned by the object
+  (``max_workers`` threads, default :data:`DEFAULT_WORKERS`), never on the event
+  loop. The engine releases the GIL while it waits, so the loop keeps running.
+  Concurrent publishes from many tasks still share one fsync per channel (group
+  commit), up to ``max_workers`` at a time.
+* Subscriber handlers are ``async def`` functions run **on the event loop that
+  called** :meth:`AsyncMessenger.subscribe`: the engine's delivery thread
+  schedules ``handler(msg)`` there with :func:`asyncio.run_coroutine_threadsafe`
+  and waits for it, so a subscription handles one message at a time, in order,
+  as in the sync API. Returning acknowledges; raising retries with backoff and
+  finally dead-letters, exactly as in the sync API. A plain (non-async)
+  function is accepted too; it is called on the loop.
+* If the event loop is closed (or shuts down, cancelling the handler's task)
+  while a subscription is running, the message in hand is **not**
+  acknowledged, not retried and not dead-lettered, and the subscription stops
+  (a warning is logged): nothing is lost, the message is delivered again when
+  the subscriber id subscribes next time. Close the messenger (``async with``)
+  before the loop ends to avoid this.
+* ``service_name`` / ``correlation_id`` set with :func:`keyop_messenger.context`
+  in the calling task are honoured (the task's context is carried to the pool).
+
+Cancellation: cancelling a task awaiting :meth:`~AsyncMessenger.publish` stops
+the wait, not necessarily the publish. If the publish had already been handed to
+the engine it still commits (its id is simply not returned), so a retry after a
+cancellation can store the message twice: delivery is at-least-once, and
+consumers should be idempotent (e.g. by message id, or the application's own
+key). A publish still queued for a pool thread when cancelled is not made.
+``open``/``close`` (and ``async with``) finish what they started even when
+cancelled, then re-raise :class:`asyncio.CancelledError`, so a cancelled task
+never leaves a data directory locked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from .config import Config
+from .errors import ClosedError
+from .message import Message
+
+if TYPE_CHECKING:
+    from .ephemeral import EphemeralMessenger
+    from .messenger import Messenger
+    from .stats import Stats
+    from .subscription import Subscription
+
+__all__ = [
+    "DEFAULT_WORKERS",
+    "AsyncEphemeralMessenger",
+    "AsyncHandler",
+    "AsyncMessenger",
+    "AsyncSubscription",
+    "EventLoopClosedError",
+]
+
+log = logging.getLogger("keyop_messenger")
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+#: Threads of the pool each async messenger owns for its blocking calls.
+DEFAULT_WORKERS = 8
+#: Seconds between checks that the event loop still exists while a handler runs.
+_LOOP_CHECK_S = 0.25
+
+AsyncHandler = Callable[[Message], Awaitable[Any]]
+"""An ``async def handler(msg)``: returning acknowledges, raising means retry."""
+
+ConfigLike = Config | str | os.PathLike[str]
+
+# Set inside handler coroutines, so close() called from a handler does not wait
+# for that very handler (which would never finish).
+_IN_HANDLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "keyop_messenger_aio_in_handler", default=False
+)
+
+
+class EventLoopClosedError(RuntimeError):
+    """Raised to the engine when a handler cannot run to its end because its
+    event loop is closed or shutting down (the handler's task was cancelled):
+    the subscription stops and the message stays unacknowledged."""
+
+
+async def _finish(fut: asyncio.Future[T]) -> T:
+    """Awaits ``fut`` to completion even if the awaiting task is cancelled
+    meanwhile; then re-raises the cancellation (or returns the result)."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError()
+    return fut.result()
+
+
+class _Bridge:
+    """The sync handler given to the engine: runs ``handler(msg)`` on ``loop``
+    and waits for its outcome on the calling (engine) thread."""
+
+    def __init__(
+        self,
+        handler: Callable[[Message], Any],
+        loop: asyncio.AbstractEventLoop,
+        label: str,
+    ) -> None:
+        self._handler = handler
+        self._loop = loop
+        self._label = label
+        self.subscription: AsyncSubscription | None = None
+        self.loop_gone = False
+
+    async def _invoke(self, msg: Message) -> Any:
+        _IN_HANDLER.set(True)
+        result = self._handler(msg)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    def _abandon(self, why: str = "its event loop is closed") -> EventLoopClosedError:
+        """Stops the subscription (the message in hand stays unacknowledged:
+        neither retried now nor dead-lettered, but delivered again to the
+        subscriber id's next subscription)."""
+        if not self.loop_gone:
+            self.loop_gone = True
+            log.warning(
+                "%s: handler stopped (%s); subscription stopped, undelivered "
+                "messages stay unacknowledged",
+                self._label,
+                why,
+            )
+            sub = self.subscription
+            if sub is not None:
+                sub._stop_from_engine_thread()
+        return EventLoopClosedError(f"{self._label}: {why}")
+
+    def __call__(self, msg: Message) -> Any:
+        loop = self._loop
+        if self.loop_gone or loop.is_closed():
+            raise self._abandon()
+        coro = self._invoke(msg)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the loop closed in between
+            coro.close()
+            raise self._abandon() from None
+        while True:
+            try:
+                return fut.result(timeout=_LOOP_CHECK_S)
+            except concurrent.futures.TimeoutError:
+                if loop.is_closed():
+                    fut.cancel()
+                    raise self._abandon() from None
+            except concurrent.futures.CancelledError:
+                # Only the loop's shutdown (asyncio.run cancelling every task)
+                # cancels a handler's task: stop rather than retry/dead-letter.
+                raise self._abandon("its task was cancelled: event loop shutting down") from None
+
+
+class _AsyncBase(Generic[S]):
+    """Thread pool, open/close life cycle and registration shared by both classes."""
+
+    def __init__(self, config: ConfigLike, max_workers: int) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self._config_arg = config
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="keyop-aio")
+        self._sync: S | None = None
+        self._types: list[tuple[str, type]] = []
+        self._closed = False
+        self._opening: asyncio.Future[S] | None = None
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        """Runs ``fn`` on the pool with the calling task's context variables."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return loop.run_in_executor(self._pool, call)
+
+    async def _run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        return await self._submit(fn, *args, **kwargs)
+
+    def _require(self) -> S:
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+        if self._sync is None:
+            raise ClosedError(
+                f"{type(self).__name__} is not open: use 'async with' or 'await open()'"
+            )
+        return self._sync
+
+    def _make(self) -> S:
+        """Builds and opens (connects) the sync object; runs on the pool."""
+        raise NotImplementedError
+
+    def _close_sync(self, sync: S) -> None:
+        sync.close()  # type: ignore[attr-defined]
+
+    # -- life cycle ---------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    async def open(self) -> None:
+        """Opens the underlying messenger on the pool (idempotent). Called by
+        ``async with``. If cancelled, it completes and closes what it opened
+        before re-raising."""
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+        if self._sync is not None:
+            return
+        if self._opening is not None:  # a concurrent open(): wait for it
+            await _finish(self._opening)
+            return
+        opening = self._opening = self._submit(self._make)
+        try:
+            self._sync = await _finish(opening)
+        except asyncio.CancelledError:
+            if opening.done() and not opening.cancelled() and opening.exception() is None:
+                await _finish(self._submit(self._close_sync, opening.result()))
+            raise
+        finally:
+            self._opening = None
+
+    async def close(self) -> None:
+        """Stops every subscription, closes the underlying messenger and the
+        thread pool. Idempotent. Finishes even when the awaiting task is
+        cancelled. Called from inside a handler, it starts closing and returns
+        at once (waiting would wait for that handler itself)."""
+        if self._closed:
+            return
+        self._closed = True
+        opening, sync = self._opening, self._sync
+        if opening is not None:  # close() during open(): wait for it, then close
+            with contextlib.suppress(Exception):
+                await _finish(opening)
+            if opening.done() and not opening.cancelled() and opening.exception() is None:
+                sync = opening.result()
+        self._sync = None
+        if sync is None:
+            self._pool.shutdown(wait=False)
+            return
+        if _IN_HANDLER.get():
+            self._pool.submit(self._close_sync, sync)
+            self._pool.shutdown(wait=False)
+            return
+        try:
+            await _finish(self._submit(self._close_sync, sync))
+        finally:
+            self._pool.shutdown(wait=False)
+
+    # -- registration and publishing -----------------------------------------
+
+    def register_payload_type(self, name: str, cls: type) -> None:
+        """As :meth:`Messenger.register_payload_type`; may be called before
+        :meth:`open` (the registration is applied when it opens)."""
+        if self._sync is not None:
+            self._sync.register_payload_type(name, cls)  # type: ignore[attr-defined]
+        self._types.append((name, cls))
+
+    def _apply_types(self, sync: Any) -> None:
+        for name, cls in self._types:
+            sync.register_payload_type(name, cls)
+
+    async def publish(
+        self,
+        channel: str,
+        payload_type: str,
+        payload: Any,
+        *,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+    ) -> str:
+        """Publishes one message; returns its id once committed (see the sync
+        ``publish`` for the errors raised). Cancelling the awaiting task does
+        not undo a publish already handed to the engine: it may still commit
+        (at-least-once)."""
+        sync: Any = self._require()
+        return await self._run(
+            sync.publish,
+            channel,
+            payload_type,
+            payload,
+            service_name=service_name,
+            correlation_id=correlation_id,
+        )
+
+    async def publish_batch(
+        self,
+        channel: str,
+        items: Iterable[tuple[str, Any]],
+        *,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+    ) -> list[str]:
+        """Publishes ``(payload_type, payload)`` pairs all-or-none; returns
+        their ids in order. Cancellation as for :meth:`publish`."""
+        sync: Any = self._require()
+        return await self._run(
+            sync.publish_batch,
+            channel,
+            list(items),
+            service_name=service_name,
+            correlation_id=correlation_id,
+        )
+
+    def _bridge(self, handler: Callable[[Message], Any], label: str) -> _Bridge:
+        if not callable(handler):
+            raise TypeError(f"handler must be callable, got {type(handler).__name__}")
+        return _Bridge(handler, asyncio.get_running_loop(), label)
+
+
+class AsyncSubscription:
+    """A running subscription of an async messenger (see :meth:`AsyncMessenger.subscribe`)."""
+
+    def __init__(
+        self, owner: _AsyncBase[Any], sync: Subscription | None, bridge: _Bridge, channel: str
+    ) -> None:
+        self._owner = owner
+        self._sync = sync
+        self._bridge = bridge
+        self._channel = channel
+        self._closed = False
+
+    @property
+    def channel(self) -> str:
+        """The channel delivered."""
+        return self._channel
+
+    @property
+    def subscriber_id(self) -> str | None:
+        """The subscriber id (None for an ephemeral subscription)."""
+        return self._sync.subscriber_id if self._sync is not None else None
+
+    @property
+    def position(self) -> int | None:
+        """Global offset of the next unacknowledged message (None if ephemeral)."""
+        return self._sync.position if self._sync is not None else None
+
+    @property
+    def active(self) -> bool:
+        """False once closed, or stopped because its event loop closed."""
+        return not (self._closed or self._bridge.loop_gone)
+
+    def _stop_from_engine_thread(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+
+    async def close(self) -> None:
+        """Stops delivery after the handler call in progress and keeps the
+        subscriber's offset (subscribing again with the id resumes).
+        Idempotent; may be awaited from the handler itself."""
+        if self._closed:
+            return
+        self._closed = True
+        self._bridge.loop_gone = True  # ephemeral: no further handler call
+        sync = self._sync
+        if sync is None or self._owner._closed:
+            return
+        if _IN_HANDLER.get():
+            sync._deliverer.stop()
+            self._owner._pool.submit(sync.close)
+            return
+        await _finish(self._owner._submit(sync.close))
+
+    async def __aenter__(self) -> AsyncSubscription:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "closed"
+        return f"<AsyncSubscription {self._channel!r}/{self.subscriber_id!r} {state}>"
+
+
+class AsyncMessenger(_AsyncBase["Messenger"]):
+    """A :class:`~keyop_messenger.Messenger` for asyncio code.
+
+    ``AsyncMessenger(config)`` opens nothing yet: the data directory is opened
+    by ``async with`` (or ``await open()``) and closed on exit, also when the
+    block is left by an exception or a cancellation. ``max_workers`` bounds the
+    threads used for blocking calls.
+    """
+
+    def __init__(self, config: ConfigLike, *, max_workers: int = DEFAULT_WORKERS) -> None:
+        super().__init__(config, max_workers)
+
+    def _make(self) -> Messenger:
+        from .messenger import Messenger
+
+        m = Messenger(self._config_arg)
+        try:
+            self._apply_types(m)
+        except BaseException:
+            m.close()
+            raise
+        return m
+
+    @property
+    def messenger(self) -> Messenger:
+        """The underlying sync :class:`Messenger` (for non-blocking calls such
+        as ``read_channel`` or ``stream_end``). Raises :class:`ClosedError`
+        when not open."""
+        return self._require()
+
+    @property
+    def config(self) -> Config:
+        """The configuration of the open messenger."""
+        return self._require().config
+
+    async def subscribe(
+        self, channel: str, subscriber_id: str, handler: AsyncHandler
+    ) -> AsyncSubscription:
+        """Delivers ``channel`` to the ``async def`` ``handler`` as subscriber
+        ``subscriber_id``, on the running event loop.
+
+        Same semantics as :meth:`Messenger.subscribe`: a new id starts at the
+        current end, a known id resumes from its offset file; returning
+        acknowledges, raising retries with backoff and eventually
+        dead-letters. One message at a time per subscription, in order.
+        """
+        sync = self._require()
+        bridge = self._bridge(handler, f"{channel}/{subscriber_id}")
+        core = await self._run(sync.subscribe, channel, subscriber_id, bridge)
+        sub = AsyncSubscription(self, core, bridge, channel)
+        bridge.subscription = sub
+        return sub
+
+    async def unsubscribe(self, channel: str, subscriber_id: str) -> None:
+        """As :meth:`Messenger.unsubscribe` (deletes the offset file)."""
+        await self._run(self._require().unsubscribe, channel, subscriber_id)
+
+    async def stats(self) -> Stats:
+        """As :meth:`Messenger.stats`."""
+        sync: Any = self._require()
+        return await self._run(sync.stats)
+
+    async def __aenter__(self) -> AsyncMessenger:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("open" if self._sync is not None else "new")
+        return f"<AsyncMessenger {state}>"
+
+
+class AsyncEphemeralMessenger(_AsyncBase["EphemeralMessenger"]):
+    """An :class:`~keyop_messenger.EphemeralMessenger` for asyncio code.
+
+    ``async with`` (or ``await connect()``) dials the hub; leaving the block
+    closes the connection. ``publish`` returns once the hub acknowledged the
+    commit, or raises ``ConnectionLostError``.
+    """
+
+    def __init__(
+        self,
+        config: ConfigLike,
+        *,
+        auto_reconnect: bool = False,
+        max_workers: int = DEFAULT_WORKERS,
+    ) -> None:
+        super().__init__(config, max_workers)
+        self._auto_reconnect = auto_reconnect
+
+    def _make(self) -> EphemeralMessenger:
+        from .ephemeral import EphemeralMessenger
+
+        m = EphemeralMessenger(self._config_arg, auto_reconnect=self._auto_reconnect)
+        try:
+            self._apply_types(m)
+            m.connect()
+        except BaseException:
+            m.close()
+            raise
+        return m
+
+    async def connect(self) -> None:
+        """Dials the hub (same as :meth:`open`)."""
+        await self.open()
+
+    @property
+    def messenger(self) -> EphemeralMessenger:
+        """The underlying sync :class:`EphemeralMessenger`."""
+        return self._require()
+
+    async def subscribe(self, channel: str, handler: AsyncHandler) -> AsyncSubscription:
+        """Runs the ``async def`` ``handler`` on the running event loop for
+        every live message of ``channel`` (which must be in the hub entry's
+        ``subscribe`` list). There is no retry: an exception is logged."""
+        sync = self._require()
+        bridge = self._bridge(handler, f"{channel} (ephemeral)")
+
+        def gated(msg: Message) -> None:
+            if bridge.loop_gone:
+                return
+            bridge(msg)
+
+        sync.subscribe(channel, gated)  # does not block: it only adds the handler
+        sub = AsyncSubscription(self, None, bridge, channel)
+        bridge.subscription = sub
+        return sub
+
+    def status(self) -> dict[str, Any]:
+        """As :meth:`EphemeralMessenger.status` (non-blocking)."""
+        return self._require().status()
+
+    async def __aenter__(self) -> AsyncEphemeralMessenger:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("open" if self._sync is not None else "new")
+        return f"<AsyncEphemeralMessenger {state}>"
