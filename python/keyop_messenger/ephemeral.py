@@ -19,7 +19,7 @@ from typing import Any
 from . import _core
 from .config import Config, load_config
 from .context import resolve
-from .errors import ConfigError
+from .errors import ConfigError, unicode_error
 from .message import message_from_parts
 from .payloads import PayloadRegistry, to_plain
 from .subscription import Handler
@@ -103,7 +103,10 @@ class EphemeralMessenger:
         Handlers run on an engine thread before the hub is acknowledged; an
         exception is logged (there is no retry or dead letter for ephemeral
         clients)."""
-        _core.validate_channel(channel)
+        try:
+            _core.validate_channel(channel)
+        except UnicodeEncodeError as exc:
+            raise unicode_error(exc, channel=channel) from None
         with self._lock:
             self._handlers.setdefault(channel, []).append(handler)
 
@@ -153,7 +156,13 @@ class EphemeralMessenger:
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
-        return self._client.publish_batch(channel, pairs, service, corr, to_plain)
+        try:
+            return self._client.publish_batch(channel, pairs, service, corr, to_plain)
+        except UnicodeEncodeError as exc:
+            raise unicode_error(
+                exc, channel=channel, service_name=service, correlation_id=corr,
+                **{f"payload_type {i}": p[0] for i, p in enumerate(pairs) if isinstance(p, tuple)},
+            ) from None
 
     def status(self) -> dict[str, Any]:
         """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``."""

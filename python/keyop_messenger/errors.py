@@ -17,6 +17,7 @@ __all__ = [
     "PayloadTypeError",
     "StorageError",
     "SubscriptionError",
+    "unicode_error",
 ]
 
 
@@ -89,3 +90,20 @@ class BufferFullError(KeyopError):
 
 class MetricsError(KeyopError, OSError):
     """The metrics listener could not start (bad address, port in use)."""
+
+
+_NAMES = ("channel", "subscriber_id")
+
+
+def unicode_error(exc: UnicodeEncodeError, **texts: object) -> KeyopError:
+    """The library error for text that cannot be handed to the engine (a lone
+    surrogate): :class:`InvalidNameError` when ``texts`` names the channel or
+    subscriber id at fault, else :class:`PayloadTypeError`."""
+    for what, value in texts.items():
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                cls = InvalidNameError if what in _NAMES else PayloadTypeError
+                return cls(f"{what.replace('_', ' ')} {value!r} is not valid Unicode text")
+    return PayloadTypeError(f"text is not valid Unicode: {exc}")

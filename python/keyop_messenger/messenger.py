@@ -15,6 +15,7 @@ from typing import Any
 from . import _core
 from .config import Config, load_config
 from .context import resolve
+from .errors import unicode_error
 from .message import LogEntry, entry_from_row
 from .metrics import MetricsServer
 from .payloads import PayloadRegistry, to_plain
@@ -147,7 +148,15 @@ class Messenger:
         if self._registry.entries and payload_type in self._registry.entries:
             self._registry.check(payload_type, payload)
         service_name, correlation_id = resolve(service_name, correlation_id)
-        return self._publish(channel, payload_type, payload, service_name, correlation_id, to_plain)
+        try:
+            return self._publish(
+                channel, payload_type, payload, service_name, correlation_id, to_plain
+            )
+        except UnicodeEncodeError as exc:
+            raise unicode_error(
+                exc, channel=channel, payload_type=payload_type, service_name=service_name,
+                correlation_id=correlation_id,
+            ) from None
 
     def publish_batch(
         self,
@@ -162,7 +171,13 @@ class Messenger:
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
-        return self._engine.publish_batch(channel, pairs, service, corr, to_plain)
+        try:
+            return self._engine.publish_batch(channel, pairs, service, corr, to_plain)
+        except UnicodeEncodeError as exc:
+            raise unicode_error(
+                exc, channel=channel, service_name=service, correlation_id=corr,
+                **{f"payload_type {i}": p[0] for i, p in enumerate(pairs) if isinstance(p, tuple)},
+            ) from None
 
     def subscribe(self, channel: str, subscriber_id: str, handler: Handler) -> Subscription:
         """Delivers ``channel`` to ``handler`` as subscriber ``subscriber_id``.
@@ -179,13 +194,16 @@ class Messenger:
         the id is already subscribed to the channel.
         """
         deliverer = Deliverer(handler, self._registry, channel, subscriber_id)
-        core = self._engine.subscribe(
-            channel,
-            subscriber_id,
-            deliverer,
-            max_retries=self._config.subscribers.max_retries,
-            offset_flush_interval_ms=self._config.storage.offset_flush_interval_ms,
-        )
+        try:
+            core = self._engine.subscribe(
+                channel,
+                subscriber_id,
+                deliverer,
+                max_retries=self._config.subscribers.max_retries,
+                offset_flush_interval_ms=self._config.storage.offset_flush_interval_ms,
+            )
+        except UnicodeEncodeError as exc:
+            raise unicode_error(exc, channel=channel, subscriber_id=subscriber_id) from None
         subscription = Subscription(core, deliverer)
         self._subscriptions.add(subscription)
         return subscription
@@ -194,7 +212,10 @@ class Messenger:
         """Stops ``subscriber_id`` (if running) and deletes its offset file, so
         subscribing again starts at the end. Raises :class:`SubscriptionError`
         if the subscriber does not exist."""
-        self._engine.unsubscribe(channel, subscriber_id)
+        try:
+            self._engine.unsubscribe(channel, subscriber_id)
+        except UnicodeEncodeError as exc:
+            raise unicode_error(exc, channel=channel, subscriber_id=subscriber_id) from None
 
     def compact(self) -> dict[str, tuple[int, int, list[str]]]:
         """Runs a retention pass now (it also runs every 30 s): deletes sealed
@@ -206,12 +227,19 @@ class Messenger:
     def read_channel(self, channel: str, *, start_offset: int = 0) -> Iterator[LogEntry]:
         """Iterates the committed messages of ``channel`` from ``start_offset``
         (a global byte offset), decoding payloads with the registered types."""
-        for row in self._engine.read(channel, start_offset):
+        try:
+            rows = self._engine.read(channel, start_offset)
+        except UnicodeEncodeError as exc:
+            raise unicode_error(exc, channel=channel) from None
+        for row in rows:
             yield entry_from_row(row, self._registry)
 
     def stream_end(self, channel: str) -> int:
         """The committed end of ``channel``: the offset the next record gets."""
-        return self._engine.stream_end(channel)
+        try:
+            return self._engine.stream_end(channel)
+        except UnicodeEncodeError as exc:
+            raise unicode_error(exc, channel=channel) from None
 
     @property
     def closed(self) -> bool:
@@ -286,5 +314,9 @@ def read_channel(
     """Iterates the messages of ``channel`` in any data directory, also one
     written by keyop-messenger 1.4 or in use by another process. Only whole
     records are returned; unreadable lines are skipped with a warning."""
-    for row in _core.read_channel(os.fspath(data_dir), channel, start_offset):
+    try:
+        rows = _core.read_channel(os.fspath(data_dir), channel, start_offset)
+    except UnicodeEncodeError as exc:
+        raise unicode_error(exc, channel=channel) from None
+    for row in rows:
         yield entry_from_row(row, registry)

@@ -36,7 +36,13 @@ pub fn write_json(
     if obj.is_none() {
         out.extend_from_slice(b"null");
     } else if let Ok(s) = obj.cast::<PyString>() {
-        push_str(out, s.to_str()?);
+        let text = s.to_str().map_err(|e| {
+            type_err(
+                py,
+                format!("payload text is not valid Unicode (lone surrogate?): {e}"),
+            )
+        })?;
+        push_str(out, text);
     } else if let Ok(b) = obj.cast::<PyBool>() {
         out.extend_from_slice(if b.is_true() { b"true" } else { b"false" });
     } else if let Ok(i) = obj.cast::<PyInt>() {
@@ -73,7 +79,13 @@ pub fn write_json(
                     ),
                 )
             })?;
-            push_str(out, key.to_str()?);
+            let text = key.to_str().map_err(|e| {
+                type_err(
+                    py,
+                    format!("payload key is not valid Unicode (lone surrogate?): {e}"),
+                )
+            })?;
+            push_str(out, text);
             out.push(b':');
             write_json(&v, out, default, depth + 1)?;
         }
@@ -167,14 +179,14 @@ fn value_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'p
     })
 }
 
-/// Whether `text` holds 20 or more consecutive digits (a number that may not
-/// fit in 64 bits).
+/// Whether `text` holds 19 or more consecutive digits (a number that may not
+/// fit in 64 bits: `-9223372036854775809` has 19).
 fn has_long_digit_run(text: &str) -> bool {
     let mut run = 0;
     for b in text.bytes() {
         if b.is_ascii_digit() {
             run += 1;
-            if run >= 20 {
+            if run >= 19 {
                 return true;
             }
         } else {

@@ -791,6 +791,9 @@ fn validate_channel(py: Python<'_>, name: &str) -> PyResult<()> {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The engine's log records go to Python logging (loggers named after the
+    // Rust modules, e.g. "keyop_core.federation.hub").
+    pyo3_log::init();
     m.add_class::<PyEngine>()?;
     m.add_class::<RecordIter>()?;
     m.add_class::<Subscription>()?;
