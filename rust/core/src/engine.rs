@@ -293,6 +293,26 @@ impl Engine {
         }
     }
 
+    /// Test hook: a power loss on every open channel (see
+    /// [`ChannelWriter::simulate_power_loss`]), then close. Reopening the
+    /// data directory afterwards shows what survived.
+    #[doc(hidden)]
+    pub fn simulate_power_loss(&self, torn: usize) -> Result<(), Error> {
+        self.closed.store(true, Ordering::Release);
+        let subs: Vec<_> = self.subs().drain().map(|(_, s)| s).collect();
+        for s in subs {
+            s.stop();
+        }
+        for w in self.store.writers() {
+            w.simulate_power_loss(torn).map_err(io_error(format!(
+                "power-loss simulation on {:?}",
+                w.channel()
+            )))?;
+        }
+        self.close();
+        Ok(())
+    }
+
     /// Latency windows (publish, consume, handler).
     pub fn latency(&self) -> &EngineStats {
         &self.stats

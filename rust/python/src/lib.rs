@@ -450,6 +450,14 @@ impl PyEngine {
         Ok(d)
     }
 
+    /// Test hook: simulates a power loss (unsynced bytes dropped, the first
+    /// `torn` of them kept as a torn write) and closes the engine.
+    #[pyo3(signature = (torn = 0))]
+    fn _simulate_power_loss(&self, py: Python<'_>, torn: usize) -> PyResult<()> {
+        py.detach(|| self.engine.simulate_power_loss(torn))
+            .py_err(py)
+    }
+
     /// Flushes and closes every channel. Idempotent.
     fn close(&self, py: Python<'_>) {
         py.detach(|| self.engine.close());

@@ -118,6 +118,18 @@ impl Store {
             }
             return Err(io_err(format!("cannot lock {}", lock_path.display()))(e));
         }
+        // Torn tails left by a crash are cut now, not only when a channel is
+        // next written, so no other reader of the directory meets them.
+        for channel in compaction::list_channels(root).map_err(io_err(format!(
+            "cannot list the channels of {}",
+            root.display()
+        )))? {
+            let dir = channel_dir(root, &channel);
+            segment::repair_channel(&dir).map_err(io_err(format!(
+                "cannot recover channel {channel:?} in {}",
+                dir.display()
+            )))?;
+        }
         let shared = Arc::new(Shared {
             cfg,
             writers: Mutex::new(HashMap::new()),

@@ -112,6 +112,34 @@ pub fn last_complete_len(file: &File, len: u64) -> io::Result<u64> {
     Ok(0)
 }
 
+/// Cuts a torn trailing record (bytes after the last line feed) from the
+/// segment `file` at `path`, syncing the cut; returns the length kept.
+pub fn repair_tail(file: &File, path: &Path) -> io::Result<u64> {
+    let size = file.metadata()?.len();
+    let good = last_complete_len(file, size)?;
+    if good < size {
+        log::warn!(
+            "cut {} bytes of a torn trailing record from {}",
+            size - good,
+            path.display()
+        );
+        file.set_len(good)?;
+        file.sync_all()?;
+    }
+    Ok(good)
+}
+
+/// Repairs the torn tail of the active (last) segment of the channel in
+/// `dir`, if it has one.
+pub fn repair_channel(dir: &Path) -> io::Result<()> {
+    if let Some(&start) = list_segments(dir)?.last() {
+        let path = segment_path(dir, start);
+        let file = OpenOptions::new().read(true).write(true).open(&path)?;
+        repair_tail(&file, &path)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -223,6 +223,8 @@ pub struct ChannelWriter {
     notifier: CommitNotifier,
     counters: WriterCounters,
     unsynced: AtomicBool,
+    /// Global offset up to which the channel is known to be fdatasynced.
+    durable_end: AtomicU64,
     faults: Mutex<Vec<(FaultPoint, u32)>>,
     has_faults: AtomicBool,
 }
@@ -268,22 +270,8 @@ impl ChannelWriter {
                     .write(true)
                     .open(&path)
                     .map_err(|e| io_err(ctx("cannot open active segment"), e))?;
-                let size = file
-                    .metadata()
-                    .map_err(|e| io_err(ctx("cannot stat active segment"), e))?
-                    .len();
-                let good = segment::last_complete_len(&file, size)
-                    .map_err(|e| io_err(ctx("cannot scan active segment"), e))?;
-                if good < size {
-                    log::warn!(
-                        "channel {channel:?}: cut {} bytes of a torn trailing record from {}",
-                        size - good,
-                        path.display()
-                    );
-                    file.set_len(good)
-                        .and_then(|_| file.sync_all())
-                        .map_err(|e| io_err(ctx("cannot truncate torn tail"), e))?;
-                }
+                let good = segment::repair_tail(&file, &path)
+                    .map_err(|e| io_err(ctx("cannot repair the active segment's tail"), e))?;
                 Active {
                     file: Arc::new(file),
                     start,
@@ -293,9 +281,8 @@ impl ChannelWriter {
             }
         };
         let notifier = CommitNotifier::default();
-        notifier
-            .end
-            .store(active.start + active.len, Ordering::Release);
+        let end_at_open = active.start + active.len;
+        notifier.end.store(end_at_open, Ordering::Release);
         Ok(ChannelWriter {
             channel: channel.to_owned(),
             dir: dir.to_owned(),
@@ -316,6 +303,7 @@ impl ChannelWriter {
             notifier,
             counters: WriterCounters::default(),
             unsynced: AtomicBool::new(false),
+            durable_end: AtomicU64::new(end_at_open),
             faults: Mutex::new(Vec::new()),
             has_faults: AtomicBool::new(false),
         })
@@ -550,6 +538,10 @@ impl ChannelWriter {
             }
         }
         active.len += data.len() as u64;
+        if sync {
+            self.durable_end
+                .fetch_max(active.start + active.len, Ordering::AcqRel);
+        }
         Ok(())
     }
 
@@ -577,6 +569,9 @@ impl ChannelWriter {
                 .map_err(|e| io_err(self.ctx("fdatasync before segment roll failed"), e))?;
         }
         let next = active.start + active.len;
+        // Everything before `next` is synced now (each commit in durable mode,
+        // the sync above in relaxed mode).
+        self.durable_end.fetch_max(next, Ordering::AcqRel);
         let created = if self.take_fault(|p| *p == FaultPoint::Roll).is_some() {
             Err(io::Error::from_raw_os_error(libc::ENOSPC))
         } else {
@@ -599,11 +594,47 @@ impl ChannelWriter {
         if !self.unsynced.swap(false, Ordering::AcqRel) {
             return;
         }
-        let file = self.lock().sync_file.clone();
-        if let Err(e) = self.sync(&file) {
-            self.unsynced.store(true, Ordering::Release);
-            log::error!("channel {:?}: periodic fdatasync failed: {e}", self.channel);
+        let (file, end) = {
+            let st = self.lock();
+            (st.sync_file.clone(), self.committed_end())
+        };
+        match self.sync(&file) {
+            Ok(()) => {
+                self.durable_end.fetch_max(end, Ordering::AcqRel);
+            }
+            Err(e) => {
+                self.unsynced.store(true, Ordering::Release);
+                log::error!("channel {:?}: periodic fdatasync failed: {e}", self.channel);
+            }
         }
+    }
+
+    /// Test hook: a power loss. Stops the writer and cuts the active segment
+    /// back to what was fdatasynced, keeping the first `torn` lost bytes (a
+    /// torn write). Returns the durable end. The writer is closed afterwards.
+    #[doc(hidden)]
+    pub fn simulate_power_loss(&self, torn: usize) -> io::Result<u64> {
+        let mut st = self.lock();
+        st.closed = true;
+        while st.flushing {
+            st.waiters += 1;
+            st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.waiters -= 1;
+        }
+        let durable = self.durable_end.load(Ordering::Acquire);
+        if let Some(active) = st.active.as_mut() {
+            let keep = durable.saturating_sub(active.start).min(active.len);
+            let lost = (active.len - keep) as usize;
+            let mut tail = vec![0u8; torn.min(lost)];
+            active.file.read_exact_at(&mut tail, keep)?;
+            active.file.set_len(keep)?;
+            active.file.write_all_at(&tail, keep)?;
+            active.len = keep;
+        }
+        self.unsynced.store(false, Ordering::Release);
+        drop(st);
+        self.notifier.close();
+        Ok(durable)
     }
 
     /// Stops accepting appends, waits for the batch in flight, and syncs.
