@@ -35,6 +35,7 @@ from fed_helpers import (
     WAIT_S,
     Inbox,
     Starter,
+    client_config,
     free_port,
     hub_config,
     hub_port,
@@ -756,3 +757,19 @@ def test_unknown_peer_is_rejected(
     call = Call(foreign.connect).wait(PROMPT_S)
     assert isinstance(call.error, ConnectionLostError), call.error
     assert hub_status(hub)["peers"] == []
+
+
+def test_two_ephemeral_clients_with_one_name_coexist(
+    pki: PKI, tmp_path: Path, start: Starter
+) -> None:
+    """Spark tasks share one config: ephemeral connections of the same peer
+    must not replace each other (only durable ones do, for their cursors)."""
+    hub = start(hub_config(pki, tmp_path / "hub", [peer("node1")]))
+    cfg = client_config(pki, tmp_path / "unused", "node1", hub_port(hub))
+    with EphemeralMessenger(cfg) as a, EphemeralMessenger(cfg) as b:
+        ids = []
+        for i in range(5):
+            ids.append(a.publish("two", "t", {"a": i}))
+            ids.append(b.publish("two", "t", {"b": i}))
+        assert a.status()["connected"] and b.status()["connected"]
+    assert sorted(stored_ids(tmp_path / "hub", "two")) == sorted(ids)

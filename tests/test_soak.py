@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import fed_helpers
-from fed_helpers import PKI, Starter, client_config, hub_config, hub_port, peer, stored_ids
+from fed_helpers import PKI, Starter, client_config, hub_config, hub_port, peer
 from keyop_messenger import Message
 
 pki = fed_helpers.pki
@@ -36,25 +36,29 @@ def soak(pki: PKI, tmp_path: Path, start: Starter, seconds: float) -> None:
     cfg.storage = replace(cfg.storage, compaction_threshold_mb=1, sync_interval_ms=20)
     node = start(cfg)
 
-    counts = [0, 0, 0]
-    hub_count = [0]
+    # Each publisher's messages arrive in its own order everywhere, so
+    # "exactly once" is checked with O(1) memory: the next expected sequence
+    # number per (receiver, publisher), and a count of anything else.
+    receivers = ["sub0", "sub1", "sub2", "hub"]
+    expected = {r: [0] * 4 for r in receivers}
+    anomalies: list[str] = []
     lock = threading.Lock()
 
-    def counter(i: int):
-        def handler(_msg: Message) -> None:
+    def counter(receiver: str):
+        def handler(msg: Message) -> None:
+            p, i = msg.payload["p"], msg.payload["i"]
             with lock:
-                counts[i] += 1
+                if i == expected[receiver][p]:
+                    expected[receiver][p] += 1
+                elif len(anomalies) < 10:
+                    anomalies.append(f"{receiver}: publisher {p} sent {i}, expected "
+                                     f"{expected[receiver][p]}")
 
         return handler
 
     for i in range(3):
-        node.subscribe("soak", f"sub{i}", counter(i))
-
-    def on_hub(_msg: Message) -> None:
-        with lock:
-            hub_count[0] += 1
-
-    hub.subscribe("soak", "dashboard", on_hub)
+        node.subscribe("soak", f"sub{i}", counter(f"sub{i}"))
+    hub.subscribe("soak", "dashboard", counter("hub"))
 
     published = [0] * 4
     stop = threading.Event()
@@ -79,20 +83,15 @@ def soak(pki: PKI, tmp_path: Path, start: Starter, seconds: float) -> None:
         stop.set()
         for t in threads:
             t.join()
-    total = sum(published)
-    give_up = time.monotonic() + 60
+    give_up = time.monotonic() + 120
     while time.monotonic() < give_up:
         with lock:
-            if counts == [total] * 3 and hub_count[0] == total:
+            if all(expected[r] == published for r in receivers) or anomalies:
                 break
         time.sleep(0.1)
-    assert counts == [total] * 3, f"subscribers saw {counts} of {total}"
-    assert hub_count[0] == total, f"hub saw {hub_count[0]} of {total}"
-    hub_ids = stored_ids(tmp_path / "hub", "soak")
-    assert len(hub_ids) == len(set(hub_ids)) == total
-    segments = list((tmp_path / "node" / "channels" / "soak").glob("*.jsonl"))
+    assert not anomalies, anomalies
+    assert all(expected[r] == published for r in receivers), (published, expected)
     assert node.stats().channels[0].stream_bytes > 1 << 20, "segments rolled"
-    assert len(segments) >= 1
     # Flat memory: after the first third (warm-up), growth stays small.
     warm = samples[len(samples) // 3 :]
     assert max(warm) - min(warm) < 40 * 1024, f"RSS samples (kB): {samples}"

@@ -43,6 +43,7 @@ pub struct Hub {
     addr: SocketAddr,
     counters: Arc<HubCounters>,
     peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
+    ephemeral: Arc<Mutex<HashMap<String, usize>>>,
 }
 
 struct HubState {
@@ -50,8 +51,10 @@ struct HubState {
     cfg: HubSettings,
     acceptor: TlsAcceptor,
     counters: Arc<HubCounters>,
-    /// Connected peers: name -> (connection number, its cancel token).
+    /// Connected durable peers: name -> (connection number, its cancel token).
     peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
+    /// Connected ephemeral peers: name -> number of connections.
+    ephemeral: Arc<Mutex<HashMap<String, usize>>>,
     next_conn: AtomicU64,
 }
 
@@ -75,12 +78,14 @@ impl Hub {
         log::info!("hub {:?} listening on {addr}", shared.name);
         let counters = Arc::new(HubCounters::default());
         let peers = Arc::new(Mutex::new(HashMap::new()));
+        let ephemeral = Arc::new(Mutex::new(HashMap::new()));
         let state = Arc::new(HubState {
             shared: shared.clone(),
             cfg,
             acceptor: TlsAcceptor::from(tls),
             counters: counters.clone(),
             peers: peers.clone(),
+            ephemeral: ephemeral.clone(),
             next_conn: AtomicU64::new(1),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(state.clone(), listener))];
@@ -92,6 +97,7 @@ impl Hub {
                 addr,
                 counters,
                 peers,
+                ephemeral,
             },
             tasks,
         ))
@@ -116,7 +122,15 @@ impl Hub {
             .keys()
             .cloned()
             .collect();
+        v.extend(
+            self.ephemeral
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .keys()
+                .cloned(),
+        );
         v.sort();
+        v.dedup();
         v
     }
 }
@@ -255,17 +269,28 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
             return;
         }
     };
-    // A newer connection of the same peer replaces the older one.
+    // A newer durable connection of the same peer replaces the older one
+    // (both would advance the same fed-<peer> cursors). Ephemeral connections
+    // have no cursor, so any number may share a peer name (Spark tasks do).
     let conn = state.next_conn.fetch_add(1, Ordering::Relaxed);
     let cancel = shared.cancel.child_token();
-    let older = state
-        .peers
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(peer.clone(), (conn, cancel.clone()));
-    if let Some((_, old)) = older {
-        log::warn!("hub: peer {peer:?} connected again; closing its older connection");
-        old.cancel();
+    if hello.ephemeral {
+        *state
+            .ephemeral
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(peer.clone())
+            .or_insert(0) += 1;
+    } else {
+        let older = state
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer.clone(), (conn, cancel.clone()));
+        if let Some((_, old)) = older {
+            log::warn!("hub: peer {peer:?} connected again; closing its older connection");
+            old.cancel();
+        }
     }
     audit(&shared, "client_connected", &peer, &remote_s, detail);
     log::info!(
@@ -285,7 +310,15 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
         dead_letters: false,
     };
     let ended = link::run(shared.clone(), ws, out, inbound, cancel).await;
-    {
+    if hello.ephemeral {
+        let mut eph = state.ephemeral.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = eph.get_mut(&peer) {
+            *n -= 1;
+            if *n == 0 {
+                eph.remove(&peer);
+            }
+        }
+    } else {
         let mut peers = state.peers.lock().unwrap_or_else(|e| e.into_inner());
         if peers.get(&peer).is_some_and(|(c, _)| *c == conn) {
             peers.remove(&peer);
