@@ -490,26 +490,32 @@ type DeliveryRow<'a, 'py> = (
     Bound<'py, PyAny>,
 );
 
+/// Rows for a Python delivery function, payloads decoded.
+fn delivery_rows<'a, 'py>(
+    py: Python<'py>,
+    items: impl Iterator<Item = (u64, &'a Envelope)>,
+) -> PyResult<Vec<DeliveryRow<'a, 'py>>> {
+    items
+        .map(|(offset, e)| {
+            Ok((
+                offset,
+                e.id.as_str(),
+                e.ts_nanos,
+                e.channel.as_str(),
+                e.origin.as_str(),
+                e.payload_type.as_str(),
+                e.service_name.as_deref(),
+                e.correlation_id.as_deref(),
+                json::json_to_py(py, e.payload.get())?,
+            ))
+        })
+        .collect()
+}
+
 impl Handler for PyHandler {
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
         Python::attach(|py| {
-            let rows: PyResult<Vec<DeliveryRow<'_, '_>>> = batch
-                .iter()
-                .map(|d| {
-                    let e = &d.envelope;
-                    Ok((
-                        d.offset,
-                        e.id.as_str(),
-                        e.ts_nanos,
-                        e.channel.as_str(),
-                        e.origin.as_str(),
-                        e.payload_type.as_str(),
-                        e.service_name.as_deref(),
-                        e.correlation_id.as_deref(),
-                        json::json_to_py(py, e.payload.get())?,
-                    ))
-                })
-                .collect();
+            let rows = delivery_rows(py, batch.iter().map(|d| (d.offset, &d.envelope)));
             let result = rows
                 .and_then(|rows| self.deliver.call1(py, (rows,)))
                 .and_then(|r| r.extract::<(usize, Option<(bool, String)>)>(py));
@@ -569,22 +575,7 @@ impl EphemeralClient {
         self.client
             .set_handler(Arc::new(move |envelopes: Vec<Envelope>| {
                 Python::attach(|py| {
-                    let rows: PyResult<Vec<DeliveryRow<'_, '_>>> = envelopes
-                        .iter()
-                        .map(|e| {
-                            Ok((
-                                0,
-                                e.id.as_str(),
-                                e.ts_nanos,
-                                e.channel.as_str(),
-                                e.origin.as_str(),
-                                e.payload_type.as_str(),
-                                e.service_name.as_deref(),
-                                e.correlation_id.as_deref(),
-                                json::json_to_py(py, e.payload.get())?,
-                            ))
-                        })
-                        .collect();
+                    let rows = delivery_rows(py, envelopes.iter().map(|e| (0, e)));
                     if let Err(err) = rows.and_then(|r| deliver.call1(py, (r,))) {
                         err.print(py);
                     }
