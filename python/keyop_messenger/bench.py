@@ -196,6 +196,7 @@ class Suite:
         tls = {"ca": str(pki / "ca.crt")}
         hub = self.messenger(
             200,
+            name="bench-hub",
             hub={
                 "enabled": True,
                 "listen_addr": "127.0.0.1:0",
