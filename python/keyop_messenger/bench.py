@@ -132,6 +132,28 @@ class Suite:
                 m.publish_batch("bench", items)
             return _deliver_backlog(m, n)
 
+    def local_latency(self, sync_interval_ms: int) -> tuple[float, float]:
+        """Publish -> callback latency p50/p99 (us) of single messages, one at a time."""
+        with self.messenger(sync_interval_ms) as m:
+            arrived = threading.Event()
+            sent_at = 0.0
+            lat: list[float] = []
+
+            def handler(_msg: Any) -> None:
+                lat.append(time.perf_counter() - sent_at)
+                arrived.set()
+
+            m.subscribe("latency", "probe", handler)
+            deadline = time.perf_counter() + self.seconds
+            while time.perf_counter() < deadline:
+                arrived.clear()
+                sent_at = time.perf_counter()
+                m.publish("latency", TYPE, PAYLOAD)
+                if not arrived.wait(5):
+                    raise RuntimeError("a latency probe was not delivered within 5 s")
+            q = statistics.quantiles(lat, n=100)
+            return q[49] * 1e6, q[98] * 1e6
+
     # -- federated -------------------------------------------------------
 
     def pki(self) -> Path:
@@ -341,6 +363,10 @@ def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
         sub = _median(runs, lambda: suite.subscribe_relaxed(n))
         suite.record("subscribe_relaxed_per_s", sub, "subscribe -> no-op handler",
                      "target >= 300,000")
+        for mode, interval in (("relaxed", 200), ("durable", 0)):
+            p50, p99 = suite.local_latency(interval)
+            suite.record(f"deliver_{mode}_p50_us", p50, f"publish -> callback p50, {mode} (us)")
+            suite.record(f"deliver_{mode}_p99_us", p99, f"publish -> callback p99, {mode} (us)")
         pki = suite.pki()
         echo_rate, echo_p50 = suite.tls_echo(pki)
         suite.record("raw_tls_echo_per_s", echo_rate, "raw loopback TLS echo (200 B)",
