@@ -6,11 +6,11 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crate::dedup::SeenIds;
 use crate::envelope::{
-    self, encode_record, format_ts, new_id, validate_name, Header, NameKind, MAX_RECORD_BYTES,
+    self, encode_record, validate_name, Header, NameKind, Stamp, MAX_RECORD_BYTES,
 };
 use crate::federation::{FedConfig, Federation};
 use crate::stats::{ChannelSnapshot, EngineStats, SubscriberSnapshot};
@@ -533,14 +533,13 @@ pub fn encode_message(
     channel: &str,
     m: &Outgoing<'_>,
 ) -> Result<String, Error> {
-    let id = new_id();
-    let ts = format_ts(SystemTime::now());
+    let stamp = Stamp::now();
     let before = out.len();
     encode_record(
         out,
         &Header {
-            id: &id,
-            ts: &ts,
+            id: stamp.id(),
+            ts: stamp.ts(),
             channel,
             origin,
             payload_type: m.payload_type,
@@ -557,7 +556,7 @@ pub fn encode_message(
             limit: MAX_RECORD_BYTES,
         });
     }
-    Ok(id)
+    Ok(stamp.id().to_owned())
 }
 
 /// A reader over a channel of any data directory, including one written by

@@ -9,10 +9,12 @@
 
 use std::fmt;
 use std::io::Write as _;
-use std::time::SystemTime;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use chrono::{DateTime, Datelike, Timelike, Utc};
+use chrono::DateTime;
 use serde_json::value::RawValue;
+use uuid::timestamp::context::ContextV7;
 
 /// Envelope schema version written and accepted.
 pub const ENVELOPE_VERSION: u64 = 1;
@@ -84,10 +86,11 @@ pub fn validate_name(kind: NameKind, name: &str) -> Result<(), NameError> {
             name.len()
         ));
     }
-    if let Some(bad) = name
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    if let Some(at) = name
+        .bytes()
+        .position(|b| !(b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-')))
     {
+        let bad = name[at..].chars().next().expect("a character starts here");
         return fail(format!(
             "contains {bad:?}; only letters, digits, '.', '_' and '-' are allowed"
         ));
@@ -129,63 +132,188 @@ pub fn dead_letter_channel(channel: &str) -> String {
     format!("{channel}{DEAD_LETTER_SUFFIX}")
 }
 
+/// The UUIDv7 clock sequence of this process: ids are monotonic within it.
+static V7_CONTEXT: Mutex<ContextV7> = Mutex::new(ContextV7::new());
+
+/// A fresh message id and its timestamp, taken from one clock reading.
+///
+/// Both live on the stack: building them allocates nothing.
+#[derive(Clone, Copy)]
+pub struct Stamp {
+    id: [u8; 36],
+    ts: TsBuf,
+}
+
+impl Stamp {
+    /// An id and timestamp for a message created now.
+    pub fn now() -> Stamp {
+        let since = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let (secs, nanos) = (since.as_secs(), since.subsec_nanos());
+        let ts = uuid::Timestamp::from_unix(&V7_CONTEXT, secs, nanos);
+        let mut id = [0u8; 36];
+        uuid::Uuid::new_v7(ts).hyphenated().encode_lower(&mut id);
+        Stamp {
+            id,
+            ts: TsBuf::new(secs, nanos),
+        }
+    }
+
+    /// The UUIDv7 in canonical lowercase form.
+    pub fn id(&self) -> &str {
+        std::str::from_utf8(&self.id).expect("a hyphenated UUID is ASCII")
+    }
+
+    /// The RFC 3339 timestamp, as [`format_ts`] writes it.
+    pub fn ts(&self) -> &str {
+        self.ts.as_str()
+    }
+}
+
 /// A new message id: a UUIDv7 in canonical lowercase form (monotonic within the process).
 pub fn new_id() -> String {
-    uuid::Uuid::now_v7().hyphenated().to_string()
+    Stamp::now().id().to_owned()
 }
 
 /// Formats a time as keyop-messenger 1.4 does: RFC 3339 in UTC, up to nine
 /// fraction digits with trailing zeros trimmed (no dot for a whole second).
+/// Times before 1970 are clamped to the epoch (no clock reading is).
 pub fn format_ts(t: SystemTime) -> String {
-    let dt: DateTime<Utc> = t.into();
-    let mut s = String::with_capacity(30);
-    write_ts(&mut s, &dt);
-    s
+    let since = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    TsBuf::new(since.as_secs(), since.subsec_nanos())
+        .as_str()
+        .to_owned()
 }
 
-fn push_digits(out: &mut String, mut v: u32, width: usize) {
-    let mut buf = [b'0'; 10];
-    for slot in buf[..width].iter_mut().rev() {
-        *slot = b'0' + (v % 10) as u8;
-        v /= 10;
-    }
-    out.push_str(std::str::from_utf8(&buf[..width]).expect("ASCII digits"));
+/// A formatted timestamp: `YYYY-MM-DDTHH:MM:SS[.fraction]Z`, at most 30 bytes.
+#[derive(Clone, Copy)]
+struct TsBuf {
+    buf: [u8; 30],
+    len: u8,
 }
 
-fn write_ts(out: &mut String, dt: &DateTime<Utc>) {
-    // Years outside 0..=9999 cannot occur for clock readings; clamp like Go's
-    // formatter would need to, rather than emit a malformed timestamp.
-    push_digits(out, dt.year().clamp(0, 9999) as u32, 4);
-    out.push('-');
-    push_digits(out, dt.month(), 2);
-    out.push('-');
-    push_digits(out, dt.day(), 2);
-    out.push('T');
-    push_digits(out, dt.hour(), 2);
-    out.push(':');
-    push_digits(out, dt.minute(), 2);
-    out.push(':');
-    push_digits(out, dt.second(), 2);
-    // Leap-second nanos (>= 1e9) are folded into the last representable value.
-    let mut nanos = dt.nanosecond().min(999_999_999);
-    if nanos != 0 {
-        let mut width = 9;
-        while nanos.is_multiple_of(10) {
-            nanos /= 10;
-            width -= 1;
+impl TsBuf {
+    fn new(secs: u64, nanos: u32) -> TsBuf {
+        fn put(buf: &mut [u8], mut v: u64) {
+            for slot in buf.iter_mut().rev() {
+                *slot = b'0' + (v % 10) as u8;
+                v /= 10;
+            }
         }
-        out.push('.');
-        push_digits(out, nanos, width);
+        let (days, sod) = (secs / 86_400, secs % 86_400);
+        let (year, month, day) = civil_from_days(days);
+        let mut buf = *b"0000-00-00T00:00:00.000000000Z";
+        // Years past 9999 cannot come from a clock; clamp rather than emit a
+        // malformed timestamp.
+        put(&mut buf[0..4], year.min(9999));
+        put(&mut buf[5..7], month);
+        put(&mut buf[8..10], day);
+        put(&mut buf[11..13], sod / 3600);
+        put(&mut buf[14..16], sod / 60 % 60);
+        put(&mut buf[17..19], sod % 60);
+        // Leap-second nanos (>= 1e9) are folded into the last representable value.
+        let mut nanos = nanos.min(999_999_999);
+        let mut len = 19;
+        if nanos != 0 {
+            let mut width = 9;
+            while nanos.is_multiple_of(10) {
+                nanos /= 10;
+                width -= 1;
+            }
+            put(&mut buf[20..20 + width], u64::from(nanos));
+            len = 20 + width;
+        }
+        buf[len] = b'Z';
+        TsBuf {
+            buf,
+            len: (len + 1) as u8,
+        }
     }
-    out.push('Z');
+
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.buf[..usize::from(self.len)]).expect("ASCII timestamp")
+    }
+}
+
+/// Year, month and day of the proleptic Gregorian calendar for a count of
+/// days since 1970-01-01 (H. Hinnant's `civil_from_days`, for days >= 0).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    (year, month, day)
 }
 
 /// Parses an RFC 3339 timestamp (any offset, 0-9 fraction digits) into
 /// nanoseconds since the Unix epoch. `None` when it does not parse.
 pub fn parse_ts_nanos(ts: &str) -> Option<i64> {
-    DateTime::parse_from_rfc3339(ts)
-        .ok()
-        .and_then(|d| d.timestamp_nanos_opt())
+    parse_utc_ts(ts.as_bytes()).or_else(|| {
+        DateTime::parse_from_rfc3339(ts)
+            .ok()
+            .and_then(|d| d.timestamp_nanos_opt())
+    })
+}
+
+/// The form every writer of the format produces, `YYYY-MM-DDTHH:MM:SS[.f]Z`
+/// from 1970 on, parsed without the general RFC 3339 parser; `None` for
+/// anything else (which the general parser then handles or refuses).
+fn parse_utc_ts(b: &[u8]) -> Option<i64> {
+    fn num(b: &[u8]) -> Option<u64> {
+        b.iter().try_fold(0u64, |acc, &c| {
+            c.is_ascii_digit().then(|| acc * 10 + u64::from(c - b'0'))
+        })
+    }
+    if b.len() < 20
+        || b[b.len() - 1] != b'Z'
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || b[10] != b'T'
+        || b[13] != b':'
+        || b[16] != b':'
+    {
+        return None;
+    }
+    let (year, month, day) = (num(&b[0..4])?, num(&b[5..7])?, num(&b[8..10])?);
+    let (hour, minute, second) = (num(&b[11..13])?, num(&b[14..16])?, num(&b[17..19])?);
+    let days_in_month = match month {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if year % 4 == 0 && (year % 100 != 0 || year % 400 == 0) => 29,
+        2 => 28,
+        _ => return None,
+    };
+    // Leap seconds (:60) are left to the general parser.
+    if year < 1970 || day == 0 || day > days_in_month || hour > 23 || minute > 59 || second > 59 {
+        return None;
+    }
+    let nanos = match &b[19..b.len() - 1] {
+        [] => 0,
+        [b'.', frac @ ..] if (1..=9).contains(&frac.len()) => {
+            num(frac)? * 10u64.pow(9 - frac.len() as u32)
+        }
+        _ => return None,
+    };
+    let secs = days_from_civil(year, month, day) * 86_400 + hour * 3600 + minute * 60 + second;
+    i64::try_from(secs.checked_mul(1_000_000_000)?.checked_add(nanos)?).ok()
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date from 1970 on (the
+/// inverse of [`civil_from_days`]).
+fn days_from_civil(year: u64, month: u64, day: u64) -> u64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y / 400;
+    let yoe = y - era * 400;
+    let mp = if month > 2 { month - 3 } else { month + 9 };
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
 }
 
 /// The fields of an envelope other than the payload, as the publisher sets them.
@@ -202,9 +330,43 @@ pub struct Header<'a> {
     pub service_name: Option<&'a str>,
 }
 
-fn push_json_str(out: &mut Vec<u8>, s: &str) {
-    // Writing into a Vec cannot fail, and a &str always serialises.
-    serde_json::to_writer(&mut *out, s).expect("string serialisation into a Vec");
+/// Appends `s` as a JSON string, escaped exactly as serde_json escapes it.
+///
+/// Most strings need no escaping (names, ids, timestamps, plain text); they
+/// are copied in one go.
+pub fn push_json_str(out: &mut Vec<u8>, s: &str) {
+    if !needs_escape(s.as_bytes()) {
+        out.reserve(s.len() + 2);
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+    } else {
+        // Writing into a Vec cannot fail, and a &str always serialises.
+        serde_json::to_writer(&mut *out, s).expect("string serialisation into a Vec");
+    }
+}
+
+/// Whether any byte of `b` is a control character, `"` or `\\`: the bytes
+/// JSON strings must escape. Checks eight bytes at a time.
+fn needs_escape(b: &[u8]) -> bool {
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGH: u64 = u64::from_ne_bytes([0x80; 8]);
+    // Exact per word: a high bit is set for some byte iff that byte is zero
+    // (`zero`) or below 0x20 (`below`); bytes >= 0x80 never count.
+    let zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGH;
+    let below = |v: u64| v.wrapping_sub(ONES * 0x20) & !v & HIGH;
+    let mut words = b.chunks_exact(8);
+    for w in &mut words {
+        let v = u64::from_ne_bytes(w.try_into().expect("eight bytes"));
+        if below(v) | zero(v ^ (ONES * u64::from(b'"'))) | zero(v ^ (ONES * u64::from(b'\\'))) != 0
+        {
+            return true;
+        }
+    }
+    words
+        .remainder()
+        .iter()
+        .any(|&c| c < 0x20 || c == b'"' || c == b'\\')
 }
 
 /// Appends one record (the envelope's JSON and its `\n`) to `out`.
@@ -288,7 +450,12 @@ impl Envelope {
     /// `ts` must parse as RFC 3339, missing strings are empty, a missing
     /// payload is `null`.
     pub fn decode(line: &[u8]) -> Result<Envelope, DecodeError> {
-        let w: Wire<'_> = serde_json::from_slice(line)?;
+        // One UTF-8 check of the whole line is much cheaper than one per
+        // string; a line with stray non-UTF-8 bytes gets the per-string rules.
+        let w: Wire<'_> = match std::str::from_utf8(line) {
+            Ok(text) => serde_json::from_str(text)?,
+            Err(_) => serde_json::from_slice(line)?,
+        };
         match &w.v {
             Some(n) if n.as_u64() == Some(ENVELOPE_VERSION) => {}
             other => {
@@ -393,6 +560,101 @@ mod tests {
             Some(1_774_966_921_000_000_000)
         );
         assert_eq!(parse_ts_nanos("yesterday"), None);
+    }
+
+    #[test]
+    fn calendar_matches_chrono_over_the_whole_range() {
+        // Every 7919th day (and a varying second) from 1970 to 9999, plus
+        // the leap-year edges.
+        let mut days: Vec<u64> = (0..2_932_897).step_by(7919).collect();
+        days.extend([59, 60, 365, 789, 10_956, 11_016, 11_017, 2_932_896]);
+        for (i, d) in days.into_iter().enumerate() {
+            let secs = d * 86_400 + (i as u64 * 7_177) % 86_400;
+            let want = chrono::DateTime::from_timestamp(secs as i64, 0)
+                .unwrap()
+                .format("%Y-%m-%dT%H:%M:%SZ")
+                .to_string();
+            assert_eq!(TsBuf::new(secs, 0).as_str(), want, "day {d}");
+        }
+        assert_eq!(
+            format_ts(UNIX_EPOCH - Duration::from_secs(5)),
+            "1970-01-01T00:00:00Z"
+        );
+    }
+
+    #[test]
+    fn fast_timestamp_parser_agrees_with_chrono() {
+        let chrono_nanos = |ts: &str| {
+            DateTime::parse_from_rfc3339(ts)
+                .ok()
+                .and_then(|d| d.timestamp_nanos_opt())
+        };
+        for ts in [
+            "1970-01-01T00:00:00Z",
+            "2026-03-31T14:22:01.5Z",
+            "2026-03-31T14:22:01.123456789Z",
+            "2024-02-29T23:59:59.000000001Z",
+            "2000-02-29T00:00:00Z",
+            "2262-04-11T23:47:16.854775807Z",
+        ] {
+            assert_eq!(parse_utc_ts(ts.as_bytes()), chrono_nanos(ts), "{ts}");
+            assert!(parse_utc_ts(ts.as_bytes()).is_some(), "{ts}");
+        }
+        // Not the canonical form: left to chrono, which decides.
+        for ts in [
+            "2023-02-29T00:00:00Z",
+            "1900-02-29T00:00:00Z",
+            "2026-13-01T00:00:00Z",
+            "2026-03-31T24:00:00Z",
+            "2026-03-31T14:22:01.Z",
+            "2026-03-31T14:22:01.1234567890Z",
+            "2026-03-31T14:22:01+02:00",
+            "2026-03-31t14:22:01z",
+            "1969-12-31T23:59:59Z",
+            "2262-04-11T23:47:16.854775808Z",
+            "2026-03-31T14:22:60Z",
+            "+026-03-31T14:22:01Z",
+        ] {
+            assert_eq!(parse_utc_ts(ts.as_bytes()), None, "{ts}");
+            let _ = parse_ts_nanos(ts);
+        }
+        assert_eq!(parse_ts_nanos("1969-12-31T23:59:59Z"), Some(-1_000_000_000));
+        assert_eq!(parse_ts_nanos("2023-02-29T00:00:00Z"), None);
+    }
+
+    #[test]
+    fn stamps_share_one_clock_reading() {
+        let s = Stamp::now();
+        let ts = parse_ts_nanos(s.ts()).unwrap();
+        let id = uuid::Uuid::parse_str(s.id()).unwrap();
+        let (secs, nanos) = id.get_timestamp().unwrap().to_unix();
+        let id_ms = (secs * 1000 + u64::from(nanos) / 1_000_000) as i64;
+        // The id keeps milliseconds; the clock sequence may only move it forward.
+        assert!(id_ms >= ts / 1_000_000, "{} vs {}", s.id(), s.ts());
+        assert!(id_ms - ts / 1_000_000 < 1000, "{} vs {}", s.id(), s.ts());
+    }
+
+    #[test]
+    fn json_strings_escape_like_serde_json() {
+        for s in [
+            "",
+            "plain",
+            "quote\"inside",
+            "back\\slash",
+            "line\nfeed\ttab\r\u{1}\u{1f}",
+            "del\u{7f}",
+            "é ✓ 😀",
+            "\u{2028}\u{2029}",
+            "0123456789abcdef\"",
+            "01234567\\89abcdef",
+            "0123456789abcde\u{1f}",
+            "\u{0}1234567",
+            "all clean, sixteen+ bytes ~!@#$%^&*()",
+        ] {
+            let mut ours = Vec::new();
+            push_json_str(&mut ours, s);
+            assert_eq!(ours, serde_json::to_vec(s).unwrap(), "{s:?}");
+        }
     }
 
     #[test]

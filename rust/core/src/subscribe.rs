@@ -18,8 +18,8 @@ use std::thread::{self, JoinHandle, ThreadId};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::envelope::{
-    self, dead_letter_channel, encode_record, format_ts, new_id, Envelope, Header,
-    DEAD_LETTER_PAYLOAD_TYPE, DEAD_LETTER_SUFFIX,
+    self, dead_letter_channel, encode_record, Envelope, Header, Stamp, DEAD_LETTER_PAYLOAD_TYPE,
+    DEAD_LETTER_SUFFIX,
 };
 use crate::stats::EngineStats;
 use crate::storage::offsets::{read_offset, write_offset};
@@ -550,23 +550,22 @@ impl<H: Handler> Worker<H> {
         last_error: &str,
         retries: u32,
     ) -> Result<(), crate::StorageError> {
-        let now = format_ts(SystemTime::now());
+        let stamp = Stamp::now();
         let mut payload = Vec::with_capacity(d.line.len() + last_error.len() + 96);
         payload.extend_from_slice(b"{\"original\":");
         payload.extend_from_slice(&d.line);
         payload.extend_from_slice(format!(",\"retries\":{retries},\"last_error\":").as_bytes());
-        serde_json::to_writer(&mut payload, last_error).expect("string into Vec");
+        envelope::push_json_str(&mut payload, last_error);
         payload.extend_from_slice(b",\"failed_at\":");
-        serde_json::to_writer(&mut payload, &now).expect("string into Vec");
+        envelope::push_json_str(&mut payload, stamp.ts());
         payload.push(b'}');
-        let id = new_id();
         let channel = dead_letter_channel(&self.channel);
         let mut line = Vec::with_capacity(payload.len() + 200);
         encode_record(
             &mut line,
             &Header {
-                id: &id,
-                ts: &now,
+                id: stamp.id(),
+                ts: stamp.ts(),
                 channel: &channel,
                 origin: &d.envelope.origin,
                 payload_type: DEAD_LETTER_PAYLOAD_TYPE,

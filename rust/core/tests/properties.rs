@@ -333,6 +333,24 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(config(512))]
+
+    #[test]
+    fn json_strings_are_escaped_exactly_like_serde_json(s in any::<String>()) {
+        let mut ours = Vec::new();
+        keyop_core::envelope::push_json_str(&mut ours, &s);
+        prop_assert_eq!(ours, serde_json::to_vec(&s).unwrap());
+    }
+
+    #[test]
+    fn timestamps_parse_back_to_the_same_instant(secs in 0u64..253_402_300_800, nanos in 0u32..1_000_000_000) {
+        let ts = format_ts(std::time::UNIX_EPOCH + std::time::Duration::new(secs, nanos));
+        let want = i128::from(secs) * 1_000_000_000 + i128::from(nanos);
+        prop_assert_eq!(keyop_core::envelope::parse_ts_nanos(&ts).map(i128::from), Some(want).filter(|w| *w <= i128::from(i64::MAX)));
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Torn-tail recovery
 // ---------------------------------------------------------------------------

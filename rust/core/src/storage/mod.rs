@@ -73,7 +73,8 @@ pub const LOCK_FILE: &str = "keyop.lock";
 
 struct Shared {
     cfg: StoreConfig,
-    writers: Mutex<HashMap<String, Arc<ChannelWriter>>>,
+    /// Looked up on every publish: a fast, randomly seeded hasher.
+    writers: Mutex<HashMap<String, Arc<ChannelWriter>, foldhash::fast::RandomState>>,
     stop: Mutex<bool>,
     stop_cv: Condvar,
 }
@@ -132,7 +133,7 @@ impl Store {
         }
         let shared = Arc::new(Shared {
             cfg,
-            writers: Mutex::new(HashMap::new()),
+            writers: Mutex::new(HashMap::default()),
             stop: Mutex::new(false),
             stop_cv: Condvar::new(),
         });

@@ -202,6 +202,9 @@ struct State {
     /// (bytes, records) of each append call queued in `pending`.
     groups: Vec<(usize, u64)>,
     slot: Arc<Slot>,
+    /// The slot of the last finished batch; reused for a later batch once
+    /// every caller of that batch has let go of it (no allocation per batch).
+    used_slot: Option<Arc<Slot>>,
     spare: Vec<u8>,
     spare_groups: Vec<(usize, u64)>,
     flushing: bool,
@@ -291,6 +294,7 @@ impl ChannelWriter {
                 pending: Vec::new(),
                 groups: Vec::new(),
                 slot: Arc::default(),
+                used_slot: None,
                 spare: Vec::new(),
                 spare_groups: Vec::new(),
                 flushing: false,
@@ -378,7 +382,17 @@ impl ChannelWriter {
         let spare_groups = std::mem::take(&mut st.spare_groups);
         let buf = std::mem::replace(&mut st.pending, spare);
         let groups = std::mem::replace(&mut st.groups, spare_groups);
-        let slot = std::mem::take(&mut st.slot);
+        let next = match st.used_slot.take() {
+            Some(mut used) => match Arc::get_mut(&mut used) {
+                Some(free) => {
+                    free.outcome.take();
+                    used
+                }
+                None => Arc::default(),
+            },
+            None => Arc::default(),
+        };
+        let slot = std::mem::replace(&mut st.slot, next);
         let mut active = st
             .active
             .take()
@@ -429,6 +443,7 @@ impl ChannelWriter {
             committed,
             error,
         });
+        st.used_slot = Some(slot);
         self.notifier.publish(end);
         if st.waiters > 0 {
             self.done.notify_all();
@@ -649,7 +664,17 @@ impl ChannelWriter {
         }
         // Appends queued behind a closed writer fail rather than hang.
         if !st.pending.is_empty() {
-            let slot = std::mem::take(&mut st.slot);
+            let next = match st.used_slot.take() {
+                Some(mut used) => match Arc::get_mut(&mut used) {
+                    Some(free) => {
+                        free.outcome.take();
+                        used
+                    }
+                    None => Arc::default(),
+                },
+                None => Arc::default(),
+            };
+            let slot = std::mem::replace(&mut st.slot, next);
             st.pending.clear();
             st.groups.clear();
             let _ = slot.outcome.set(Outcome {
