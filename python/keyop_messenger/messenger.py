@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _core
 from .config import Config, load_config
-from .context import resolve
+from .context import _CONTEXT, resolve
 from .errors import unicode_error
 from .message import LogEntry, entry_from_row
 from .metrics import MetricsServer
@@ -147,7 +147,12 @@ class Messenger:
         # The hot path: a dict lookup when types are registered, one context read.
         if self._registry.entries and payload_type in self._registry.entries:
             self._registry.check(payload_type, payload)
-        service_name, correlation_id = resolve(service_name, correlation_id)
+        if service_name is None or correlation_id is None:  # resolve(), inlined
+            ctx_service, ctx_corr = _CONTEXT.get()
+            if service_name is None:
+                service_name = ctx_service
+            if correlation_id is None:
+                correlation_id = ctx_corr
         try:
             return self._publish(
                 channel, payload_type, payload, service_name, correlation_id, to_plain

@@ -9,7 +9,7 @@ from typing import Any
 
 from . import _core
 from .errors import PayloadTypeError
-from .message import Message, message_from_parts
+from .message import Message
 from .payloads import PayloadRegistry
 
 __all__ = ["Deliverer", "Handler", "Subscription"]
@@ -45,24 +45,30 @@ class Deliverer:
         self.stopped = True
 
     def __call__(self, rows: list[tuple[Any, ...]]) -> tuple[int, _Failure]:
-        handler, registry = self._handler, self._registry
-        for i, (_offset, *fields) in enumerate(rows):
+        # The delivery hot path: one tuple unpack, one Message and one handler
+        # call per row; payloads are decoded only for registered types.
+        handler, entries, decode = self._handler, self._registry.entries, self._registry.decode
+        i = 0
+        for _offset, id_, ts, channel, origin, ptype, service, corr, data in rows:
             if self.stopped:
                 return i, None
-            try:
-                message = message_from_parts(*fields, registry)
-            except (PayloadTypeError, ValueError) as exc:
-                log.warning("%s/%s: undecodable message %s: %s", self._channel, self._id,
-                            fields[0], exc)
-                return i, (True, str(exc))
+            if entries and ptype in entries:
+                try:
+                    data = decode(ptype, data)
+                except PayloadTypeError as exc:
+                    log.warning("%s/%s: undecodable message %s: %s", self._channel, self._id,
+                                id_, exc)
+                    return i, (True, str(exc))
+            message = Message(id_, channel, origin, ptype, data, ts, service, corr)
             try:
                 handler(message)
             except Exception as exc:
                 log.warning("%s/%s: handler failed on %s: %r", self._channel, self._id,
-                            message.id, exc)
+                            id_, exc)
                 log.debug("handler traceback", exc_info=True)
                 return i, (False, f"{type(exc).__name__}: {exc}")
-        return len(rows), None
+            i += 1
+        return i, None
 
 
 class Subscription:

@@ -4,8 +4,15 @@
 //! and `tuple` natively; anything else is passed to the `default` callable
 //! (as `json.dumps` does) and its result encoded instead.
 
+use std::collections::HashMap;
+use std::fmt;
+
+use foldhash::fast::RandomState;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+
+use keyop_core::envelope::push_json_str;
 
 use crate::errors::{new_err, Kind};
 
@@ -13,10 +20,6 @@ const MAX_DEPTH: u32 = 200;
 
 fn type_err(py: Python<'_>, msg: String) -> PyErr {
     new_err(py, Kind::PayloadType, msg)
-}
-
-fn push_str(out: &mut Vec<u8>, s: &str) {
-    serde_json::to_writer(&mut *out, s).expect("string serialisation into a Vec");
 }
 
 /// Appends the JSON encoding of `obj` to `out`.
@@ -42,7 +45,7 @@ pub fn write_json(
                 format!("payload text is not valid Unicode (lone surrogate?): {e}"),
             )
         })?;
-        push_str(out, text);
+        push_json_str(out, text);
     } else if let Ok(b) = obj.cast::<PyBool>() {
         out.extend_from_slice(if b.is_true() { b"true" } else { b"false" });
     } else if let Ok(i) = obj.cast::<PyInt>() {
@@ -85,7 +88,7 @@ pub fn write_json(
                     format!("payload key is not valid Unicode (lone surrogate?): {e}"),
                 )
             })?;
-            push_str(out, text);
+            push_json_str(out, text);
             out.push(b':');
             write_json(&v, out, default, depth + 1)?;
         }
@@ -134,49 +137,172 @@ fn write_seq<'py>(
     Ok(())
 }
 
-/// Builds Python objects from JSON text (the reverse of [`write_json`]):
-/// objects become dicts, arrays lists, numbers int or float.
-pub fn json_to_py<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
-    if has_long_digit_run(text) {
-        // Integers beyond 64 bits keep every digit through Python's parser.
-        return py.import("json")?.call_method1("loads", (text,));
-    }
-    let value: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| type_err(py, format!("payload is not valid JSON: {e}")))?;
-    value_to_py(py, &value)
+/// Builds Python objects from stored JSON, reusing the `str` objects of
+/// strings that repeat from record to record: dict keys and the envelope's
+/// channel, origin, payload type and service name. Reused strings are neither
+/// allocated nor hashed again.
+#[derive(Default)]
+pub struct PyDecoder {
+    keys: HashMap<Box<str>, Py<PyString>, RandomState>,
+    fields: [Option<(Box<str>, Py<PyString>)>; FIELDS],
 }
 
-fn value_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
-    use pyo3::IntoPyObjectExt;
-    use serde_json::Value;
-    Ok(match v {
-        Value::Null => py.None().into_bound(py),
-        Value::Bool(b) => b.into_bound_py_any(py)?,
-        Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                i.into_bound_py_any(py)?
-            } else if let Some(u) = n.as_u64() {
-                u.into_bound_py_any(py)?
-            } else {
-                n.as_f64().unwrap_or(f64::NAN).into_bound_py_any(py)?
+/// Envelope fields [`PyDecoder::field`] remembers the last value of.
+pub const CHANNEL: usize = 0;
+pub const ORIGIN: usize = 1;
+pub const PAYLOAD_TYPE: usize = 2;
+pub const SERVICE_NAME: usize = 3;
+const FIELDS: usize = 4;
+
+/// Keys longer than this are not cached (they rarely repeat).
+const MAX_CACHED_KEY: usize = 64;
+/// The key cache is emptied when it reaches this size.
+const MAX_CACHED_KEYS: usize = 1024;
+
+impl PyDecoder {
+    /// The value of envelope field `slot` (one of [`CHANNEL`], ...), as the
+    /// same `str` object as last time when it did not change.
+    pub fn field<'py>(&mut self, py: Python<'py>, slot: usize, text: &str) -> Bound<'py, PyString> {
+        match &self.fields[slot] {
+            Some((last, obj)) if **last == *text => obj.bind(py).clone(),
+            _ => {
+                let obj = PyString::new(py, text);
+                self.fields[slot] = Some((text.into(), obj.clone().unbind()));
+                obj
             }
         }
-        Value::String(s) => PyString::new(py, s).into_any(),
-        Value::Array(items) => {
-            let list = PyList::empty(py);
-            for item in items {
-                list.append(value_to_py(py, item)?)?;
-            }
-            list.into_any()
+    }
+
+    /// Python objects from JSON text (the reverse of [`write_json`]):
+    /// objects become dicts, arrays lists, numbers int or float.
+    pub fn payload<'py>(&mut self, py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
+        if has_long_digit_run(text) {
+            // Integers beyond 64 bits keep every digit through Python's parser.
+            return py.import("json")?.call_method1("loads", (text,));
         }
-        Value::Object(map) => {
-            let dict = PyDict::new(py);
-            for (k, item) in map {
-                dict.set_item(k, value_to_py(py, item)?)?;
-            }
-            dict.into_any()
+        let mut de = serde_json::Deserializer::from_str(text);
+        let value = ValueSeed {
+            py,
+            keys: &mut self.keys,
         }
-    })
+        .deserialize(&mut de)
+        .and_then(|v| de.end().map(|()| v))
+        .map_err(|e| type_err(py, format!("payload is not valid JSON: {e}")))?;
+        Ok(value)
+    }
+}
+
+/// Builds one Python value straight from the JSON token stream.
+struct ValueSeed<'a, 'py> {
+    py: Python<'py>,
+    keys: &'a mut HashMap<Box<str>, Py<PyString>, RandomState>,
+}
+
+impl<'de, 'py> DeserializeSeed<'de> for ValueSeed<'_, 'py> {
+    type Value = Bound<'py, PyAny>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+fn py_err<E: de::Error>(e: PyErr) -> E {
+    E::custom(e)
+}
+
+impl<'de, 'py> Visitor<'de> for ValueSeed<'_, 'py> {
+    type Value = Bound<'py, PyAny>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(self.py.None().into_bound(self.py))
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(PyBool::new(self.py, v).to_owned().into_any())
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(PyInt::new(self.py, v).into_any())
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(PyInt::new(self.py, v).into_any())
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(PyFloat::new(self.py, v).into_any())
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(PyString::new(self.py, v).into_any())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let list = PyList::empty(self.py);
+        while let Some(item) = seq.next_element_seed(ValueSeed {
+            py: self.py,
+            keys: &mut *self.keys,
+        })? {
+            list.append(item).map_err(py_err)?;
+        }
+        Ok(list.into_any())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let dict = PyDict::new(self.py);
+        while let Some(key) = map.next_key_seed(KeySeed {
+            py: self.py,
+            keys: &mut *self.keys,
+        })? {
+            let value = map.next_value_seed(ValueSeed {
+                py: self.py,
+                keys: &mut *self.keys,
+            })?;
+            dict.set_item(key, value).map_err(py_err)?;
+        }
+        Ok(dict.into_any())
+    }
+}
+
+/// A dict key: a cached `str` object when the key was seen before.
+struct KeySeed<'a, 'py> {
+    py: Python<'py>,
+    keys: &'a mut HashMap<Box<str>, Py<PyString>, RandomState>,
+}
+
+impl<'de, 'py> DeserializeSeed<'de> for KeySeed<'_, 'py> {
+    type Value = Bound<'py, PyString>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de, 'py> Visitor<'de> for KeySeed<'_, 'py> {
+    type Value = Bound<'py, PyString>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string key")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        if v.len() > MAX_CACHED_KEY {
+            return Ok(PyString::new(self.py, v));
+        }
+        if let Some(obj) = self.keys.get(v) {
+            return Ok(obj.bind(self.py).clone());
+        }
+        if self.keys.len() >= MAX_CACHED_KEYS {
+            self.keys.clear();
+        }
+        let obj = PyString::new(self.py, v);
+        self.keys.insert(v.into(), obj.clone().unbind());
+        Ok(obj)
+    }
 }
 
 /// Whether `text` holds 19 or more consecutive digits (a number that may not

@@ -8,7 +8,7 @@ mod json;
 mod keygen;
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyop_core::engine::encode_message;
@@ -19,9 +19,10 @@ use keyop_core::{
     StoreConfig, SubscribeOptions, Subscriber,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 
 use errors::{new_err, IntoPyResult, Kind};
+use json::PyDecoder;
 
 /// A local messenger instance: a data directory and an instance name.
 #[pyclass(module = "keyop_messenger._core", name = "Engine", frozen)]
@@ -184,6 +185,7 @@ impl PyEngine {
         Ok(RecordIter {
             limit: Limit::Committed(writer),
             reader,
+            decoder: PyDecoder::default(),
         })
     }
 
@@ -260,7 +262,10 @@ impl PyEngine {
             backoff_max: Duration::from_millis(backoff_max_ms.max(backoff_base_ms)),
             ..SubscribeOptions::default()
         };
-        let handler = PyHandler { deliver };
+        let handler = PyHandler {
+            deliver,
+            decoder: PyDecoder::default(),
+        };
         let sub = py
             .detach(|| self.engine.subscribe(channel, subscriber_id, handler, opts))
             .py_err(py)?;
@@ -474,6 +479,7 @@ fn retention(max_lag_bytes: Option<u64>, offset_ttl_ms: Option<u64>) -> Retentio
 /// Calls the Python delivery function with the GIL held, once per batch.
 struct PyHandler {
     deliver: Py<PyAny>,
+    decoder: PyDecoder,
 }
 
 /// `(offset, id, ts_nanos, channel, origin, payload_type, service_name,
@@ -482,10 +488,10 @@ type DeliveryRow<'a, 'py> = (
     u64,
     &'a str,
     i64,
-    &'a str,
-    &'a str,
-    &'a str,
-    Option<&'a str>,
+    Bound<'py, PyString>,
+    Bound<'py, PyString>,
+    Bound<'py, PyString>,
+    Option<Bound<'py, PyString>>,
     Option<&'a str>,
     Bound<'py, PyAny>,
 );
@@ -493,6 +499,7 @@ type DeliveryRow<'a, 'py> = (
 /// Rows for a Python delivery function, payloads decoded.
 fn delivery_rows<'a, 'py>(
     py: Python<'py>,
+    dec: &mut PyDecoder,
     items: impl Iterator<Item = (u64, &'a Envelope)>,
 ) -> PyResult<Vec<DeliveryRow<'a, 'py>>> {
     items
@@ -501,12 +508,14 @@ fn delivery_rows<'a, 'py>(
                 offset,
                 e.id.as_str(),
                 e.ts_nanos,
-                e.channel.as_str(),
-                e.origin.as_str(),
-                e.payload_type.as_str(),
-                e.service_name.as_deref(),
+                dec.field(py, json::CHANNEL, &e.channel),
+                dec.field(py, json::ORIGIN, &e.origin),
+                dec.field(py, json::PAYLOAD_TYPE, &e.payload_type),
+                e.service_name
+                    .as_deref()
+                    .map(|s| dec.field(py, json::SERVICE_NAME, s)),
                 e.correlation_id.as_deref(),
-                json::json_to_py(py, e.payload.get())?,
+                dec.payload(py, e.payload.get())?,
             ))
         })
         .collect()
@@ -515,7 +524,11 @@ fn delivery_rows<'a, 'py>(
 impl Handler for PyHandler {
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
         Python::attach(|py| {
-            let rows = delivery_rows(py, batch.iter().map(|d| (d.offset, &d.envelope)));
+            let rows = delivery_rows(
+                py,
+                &mut self.decoder,
+                batch.iter().map(|d| (d.offset, &d.envelope)),
+            );
             let result = rows
                 .and_then(|rows| self.deliver.call1(py, (rows,)))
                 .and_then(|r| r.extract::<(usize, Option<(bool, String)>)>(py));
@@ -572,10 +585,12 @@ impl EphemeralClient {
     /// every frame the hub streams (return value ignored).
     fn set_handler(&self, deliver: Py<PyAny>) {
         let deliver = Arc::new(deliver);
+        let decoder = Mutex::new(PyDecoder::default());
         self.client
             .set_handler(Arc::new(move |envelopes: Vec<Envelope>| {
                 Python::attach(|py| {
-                    let rows = delivery_rows(py, envelopes.iter().map(|e| (0, e)));
+                    let mut dec = decoder.lock().unwrap_or_else(|e| e.into_inner());
+                    let rows = delivery_rows(py, &mut dec, envelopes.iter().map(|e| (0, e)));
                     if let Err(err) = rows.and_then(|r| deliver.call1(py, (r,))) {
                         err.print(py);
                     }
@@ -684,6 +699,7 @@ impl PyEngine {
 struct RecordIter {
     reader: LogReader,
     limit: Limit,
+    decoder: PyDecoder,
 }
 
 /// How far a [`RecordIter`] may read.
@@ -740,7 +756,7 @@ impl RecordIter {
         let Some((offset, segment, e)) = found else {
             return Ok(None);
         };
-        let payload = json::json_to_py(py, e.payload.get())?;
+        let payload = self.decoder.payload(py, e.payload.get())?;
         Ok(Some((
             offset,
             segment,
@@ -776,6 +792,7 @@ fn read_channel(
     Ok(RecordIter {
         reader,
         limit: Limit::Complete,
+        decoder: PyDecoder::default(),
     })
 }
 
