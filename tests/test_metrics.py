@@ -369,3 +369,22 @@ def test_federation_figures_of_a_hub_and_a_client(pki: fed_helpers.PKI, tmp_path
     assert value(hub_samples, "keyop_hub_connections_accepted_total") == 1
     assert value(hub_samples, "keyop_hub_connections_rejected_total") == 0
     assert value(hub_samples, "keyop_messages_published_total", channel="up") == 3
+
+
+def test_messengers_without_metrics_or_yaml_do_not_import_them(tmp_path: Path) -> None:
+    """Footprint on small boards: http.server (with ssl) and yaml are imported
+    only by messengers that serve metrics or read a configuration file."""
+    import subprocess
+    import sys
+
+    heavy = ("http.server", "ssl", "yaml")
+    probe = (
+        "import sys, keyop_messenger as km\n"
+        f"m = km.Messenger(km.Config.from_dict({{'name': 'n', 'storage': "
+        f"{{'data_dir': {str(tmp_path / 'data')!r}}}}}))\n"
+        "m.publish('c', 't', {}); m.close()\n"
+        f"print(sorted(name for name in {heavy!r} if name in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.strip()
+    assert out == "[]", f"a local messenger imported {out}; these should load only when used"

@@ -48,14 +48,15 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import threading
 from collections.abc import Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import MetricsError
 from .stats import HubLinkStats, HubListenerStats, Stats
+
+if TYPE_CHECKING:
+    from ._metrics_http import Server
 
 __all__ = [
     "CONTENT_TYPE",
@@ -289,42 +290,6 @@ def parse_listen_addr(addr: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    source: StatsSource
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    server_version = "keyop-messenger"
-
-    def do_GET(self) -> None:
-        if self.path.split("?", 1)[0] != "/metrics":
-            self._reply(404, b"not found; metrics are at /metrics\n", "text/plain; charset=utf-8")
-            return
-        try:
-            body = render(self.server.source.stats()).encode()
-        except Exception as exc:
-            log.warning("metrics: cannot collect stats: %s", exc)
-            self._reply(503, f"cannot collect stats: {exc}\n".encode(), "text/plain")
-            return
-        self._reply(200, body, CONTENT_TYPE)
-
-    def _reply(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        log.debug("metrics: %s " + format, self.address_string(), *args)
-
-
 class MetricsServer:
     """Serves ``GET /metrics`` (404 elsewhere) from ``source.stats()`` on
     ``listen_addr`` (``host:port``; port 0 picks a free port, see
@@ -334,7 +299,7 @@ class MetricsServer:
         self._source = source
         self._host, self._port = parse_listen_addr(listen_addr)
         self._listen_addr = listen_addr
-        self._server: _Server | None = None
+        self._server: Server | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -347,10 +312,14 @@ class MetricsServer:
                 raise MetricsError("metrics server is closed")
             if self._server is not None:
                 return self
+            # http.server (and the ssl module it pulls in) costs ~9 MB of RSS:
+            # imported only by messengers that serve metrics.
+            from ._metrics_http import Handler, Server, Server6
+
             host = self._host
-            server_class = _Server6 if ":" in host else _Server
+            server_class = Server6 if ":" in host else Server
             try:
-                server = server_class((host, self._port), _Handler)
+                server = server_class((host, self._port), Handler)
             except OSError as exc:
                 raise MetricsError(
                     f"metrics: cannot listen on {self._listen_addr}: {exc.strerror or exc}"
