@@ -10,7 +10,7 @@ use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use super::segment;
+use super::{segment, testhook};
 
 /// Extension of offset files.
 pub const OFFSET_EXT: &str = ".offset";
@@ -67,6 +67,7 @@ pub fn write_offset(path: &Path, value: u64) -> io::Result<()> {
         f.sync_all()?;
         drop(f);
         fs::rename(&tmp, path)?;
+        testhook::entry_changed(path);
         if let Some(dir) = path.parent() {
             segment::sync_dir(dir)?;
         }
