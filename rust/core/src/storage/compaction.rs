@@ -94,6 +94,7 @@ pub fn compact_channel(
         testhook::entry_changed(&path);
         report.segments_deleted += 1;
         report.bytes_freed += size;
+        testhook::stop_point("compaction");
     }
     if report.segments_deleted > 0 {
         sync_dir(&chan_dir)?;

@@ -66,6 +66,7 @@ pub fn write_offset(path: &Path, value: u64) -> io::Result<()> {
         f.write_all(format!("{value}\n").as_bytes())?;
         f.sync_all()?;
         drop(f);
+        testhook::stop_point("offset-tmp");
         fs::rename(&tmp, path)?;
         testhook::entry_changed(path);
         if let Some(dir) = path.parent() {
