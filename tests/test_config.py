@@ -514,9 +514,13 @@ def test_allowed_peer_names() -> None:
     assert "hub.allowed_peers[0]" in problems[1]
 
 
+TLS_FILES = {"cert": "c.pem", "key": "k.pem", "ca": "ca.pem"}
+
+
 def test_client_enabled_requires_hubs() -> None:
-    assert keys_of(problems_of(minimal(client={"enabled": True}))) == ["client.hubs"]
-    assert keys_of(problems_of(minimal(client={"enabled": True, "hubs": []}))) == ["client.hubs"]
+    for hubs in ({}, {"hubs": []}):
+        problems = problems_of(minimal(client={"enabled": True, **hubs}, tls=TLS_FILES))
+        assert keys_of(problems) == ["client.hubs"]
 
 
 def test_client_hub_addresses() -> None:
@@ -525,11 +529,43 @@ def test_client_hub_addresses() -> None:
             client={
                 "enabled": True,
                 "hubs": [{"addr": "hub:7740"}, {"subscribe": ["a"]}, {"addr": "nohost"}],
-            }
+            },
+            tls=TLS_FILES,
         )
     )
     assert keys_of(problems) == ["client.hubs[1].addr", "client.hubs[2].addr"]
     assert "required" in problems[0]
+
+
+def test_enabled_client_without_tls_is_refused() -> None:
+    """Weak spot 40 (silent plaintext): the original dialed ``ws://`` when no
+    certificate was configured. An enabled client without the TLS files is a
+    configuration error naming each missing key."""
+    problems = problems_of(minimal(client={"enabled": True, "hubs": [{"addr": "hub:7740"}]}))
+    assert keys_of(problems) == ["tls.cert", "tls.key", "tls.ca"], (
+        f"an enabled client without tls.cert/key/ca must be refused: {problems}"
+    )
+    assert all("client.enabled" in p for p in problems), problems
+    # Each file alone is not enough either.
+    for missing in ("cert", "key", "ca"):
+        tls = {k: v for k, v in TLS_FILES.items() if k != missing}
+        problems = problems_of(
+            minimal(client={"enabled": True, "hubs": [{"addr": "hub:7740"}]}, tls=tls)
+        )
+        assert keys_of(problems) == [f"tls.{missing}"], f"tls.{missing} is required: {problems}"
+    # A disabled client (and no hub) needs no TLS.
+    Config.from_dict(minimal(client={"enabled": False, "hubs": [{"addr": "hub:7740"}]}))
+
+
+@pytest.mark.parametrize("scheme", ["ws://", "wss://", "http://"])
+def test_hub_address_with_a_scheme_is_refused(scheme: str) -> None:
+    """A hub address is ``host:port``; a ``ws://`` URL cannot ask for plaintext."""
+    problems = problems_of(
+        minimal(client={"enabled": True, "hubs": [{"addr": f"{scheme}hub:7740"}]}, tls=TLS_FILES)
+    )
+    assert keys_of(problems) == ["client.hubs[0].addr"], (
+        f"a {scheme} hub address must be refused: {problems}"
+    )
 
 
 def test_client_disabled_tolerates_missing_addr() -> None:

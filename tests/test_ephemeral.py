@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +37,7 @@ from fed_helpers import (
     WAIT_S,
     Inbox,
     Starter,
+    audit_events,
     client_config,
     free_port,
     hub_config,
@@ -773,3 +776,91 @@ def test_two_ephemeral_clients_with_one_name_coexist(
             ids.append(b.publish("two", "t", {"b": i}))
         assert a.status()["connected"] and b.status()["connected"]
     assert sorted(stored_ids(tmp_path / "hub", "two")) == sorted(ids)
+
+
+# ---------------------------------------------------------------------------
+# Weak spot 5: every write to the connection goes through one lock
+# ---------------------------------------------------------------------------
+
+
+def blob_payload(rng: random.Random, **fields: Any) -> dict[str, Any]:
+    """A payload of random size (up to 64 KiB) carrying its own digest."""
+    blob = rng.randbytes(rng.randint(0, 32 * 1024)).hex()
+    return {**fields, "blob": blob, "sha": hashlib.sha256(blob.encode()).hexdigest()}
+
+
+def intact(payload: Any) -> bool:
+    return (
+        isinstance(payload, dict)
+        and hashlib.sha256(payload["blob"].encode()).hexdigest() == payload["sha"]
+    )
+
+
+def test_concurrent_publishes_deliveries_and_acks_keep_the_stream_intact(
+    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
+) -> None:
+    """The original ephemeral client wrote frames without the connection write
+    lock, racing the acknowledgements of received frames (concurrent WebSocket
+    writes corrupt the stream). Here four threads publish frames of up to
+    64 KiB while the hub streams batches the client acknowledges and a handler
+    publishes replies: every message must arrive intact both ways, and the one
+    connection must never drop (no reconnect, no peer_disconnected)."""
+    hub_dir = tmp_path / "hub"
+    hub = hub_for(pki, hub_dir, start)
+    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub), subscribe=["cmds"]))
+    inbox = Inbox()
+    replies: list[str] = []
+
+    def reply_to_some(msg: Any) -> None:
+        if msg.payload["n"] % 10 == 0:
+            replies.append(eph.publish("replies", "test.Reply", {"to": msg.id}))
+
+    eph.subscribe("cmds", inbox)
+    eph.subscribe("cmds", reply_to_some)
+    eph.connect()
+    wait_peers(hub, "node1")
+
+    threads, per_thread, from_hub = 4, 60, 400
+    published: dict[int, list[str]] = {}
+
+    def client_worker(t: int) -> None:
+        rng = random.Random(t)
+        published[t] = [
+            eph.publish("temps", "test.Blob", blob_payload(rng, t=t, i=i))
+            for i in range(per_thread)
+        ]
+
+    def hub_worker() -> list[str]:
+        rng = random.Random("hub")
+        return [hub.publish("cmds", "test.Blob", blob_payload(rng, n=n)) for n in range(from_hub)]
+
+    calls = [Call(functools.partial(client_worker, t)) for t in range(threads)]
+    hub_call = Call(hub_worker)
+    for c in [*calls, hub_call]:
+        c.wait(WAIT_S * 4)
+        assert c.error is None, (
+            f"every publish returns, acknowledged over the one connection: {c.error!r}"
+        )
+    hub_ids = hub_call.result
+
+    on_hub = stored(hub_dir, "temps")
+    assert sorted(m.id for m in on_hub) == sorted(i for ids in published.values() for i in ids), (
+        "every client publish is stored on the hub exactly once"
+    )
+    assert all(intact(m.payload) for m in on_hub), "every stored payload is intact"
+    got = inbox.wait_count(from_hub, "hub messages at the client")
+    wait_stable(lambda: len(inbox.messages), "the client's inbox", quiet=0.3)
+    assert [m.id for m in inbox.messages] == hub_ids, "every hub message arrives once, in order"
+    assert all(intact(m.payload) for m in got), "every delivered payload is intact"
+    wait_until(lambda: len(replies) == from_hub // 10, "the handler's replies")
+    assert sorted(stored_ids(hub_dir, "replies")) == sorted(replies), "every reply is stored"
+
+    status = eph.status()
+    assert (status["connected"], status["reconnects"], status["failed_attempts"]) == (
+        True,
+        0,
+        0,
+    ), f"the one connection never dropped: {status}"
+    assert audit_events(hub_dir, "peer_disconnected") == [], (
+        "the hub never saw the connection fail (a corrupt frame ends it)"
+    )

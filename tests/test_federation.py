@@ -21,9 +21,11 @@ or by waiting until the observed state stayed unchanged for a while.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from fed_helpers import (
     AUDIT_KEYS,
     PKI,
     TS_RE,
+    WAIT_S,
     Inbox,
     PeerClosed,
     RawPeer,
@@ -65,9 +68,11 @@ from fed_helpers import (
 from keyop_messenger import (
     Config,
     ConfigError,
+    EphemeralMessenger,
     FederationError,
     KeyopError,
     Messenger,
+    TLSConfig,
 )
 
 # Fixtures shared through fed_helpers.
@@ -670,3 +675,86 @@ def test_wire_newer_connection_replaces_older(pki: PKI, tmp_path: Path, start: S
         assert new.recv_text() == '{"last_id":""}', "the newer connection is still served"
         assert hub_status(hub)["peers"] == ["node1"]
         assert len(audit_events(hub_dir, "client_connected", peer="node1")) == 2
+
+
+# ---------------------------------------------------------------------------
+# Weak spot 40: no silent plaintext
+# ---------------------------------------------------------------------------
+
+
+def first_bytes(listener: socket.socket, n: int = 3) -> bytes:
+    """Accepts one connection on ``listener`` and returns its first ``n``
+    bytes (fewer if the peer closes first)."""
+    conn, _ = listener.accept()
+    with conn:
+        conn.settimeout(WAIT_S)
+        data = b""
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def is_tls_handshake(data: bytes) -> bool:
+    """A TLS record header: content type 22 (handshake), version 3.x."""
+    return len(data) >= 2 and data[0] == 0x16 and data[1] == 0x03
+
+
+@pytest.mark.parametrize("kind", ["messenger", "ephemeral"])
+def test_clients_dial_tls_and_never_plaintext(
+    pki: PKI, tmp_path: Path, start: Starter, kind: str
+) -> None:
+    """The original dialed ``ws://`` when no certificate was configured. Here a
+    client's first bytes on the wire are a TLS handshake, and a client whose
+    TLS files are missing is refused (ConfigError naming them) without
+    connecting anywhere."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(WAIT_S)
+        port = listener.getsockname()[1]
+        config = client_config(pki, tmp_path / "node1", "node1", port)
+        if kind == "messenger":
+            client = start(config)
+            data = first_bytes(listener)
+            client.close()
+        else:
+            eph = EphemeralMessenger(config)
+            connecting = threading.Thread(target=try_connect, args=(eph,))
+            connecting.start()
+            try:
+                data = first_bytes(listener)
+            finally:
+                eph.close()
+                connecting.join(WAIT_S)
+        assert is_tls_handshake(data), (
+            f"a {kind} client must open with a TLS handshake, never plaintext: {data!r}"
+        )
+
+        config.tls = TLSConfig()
+        refusal: Exception | None = None
+        try:
+            if kind == "messenger":
+                start(config)
+            else:
+                EphemeralMessenger(config).close()
+        except Exception as exc:
+            refusal = exc
+        named = " ".join(refusal.problems) if isinstance(refusal, ConfigError) else ""
+        assert all(f"tls.{k}" in named for k in ("cert", "key", "ca")), (
+            f"a {kind} client without TLS files is refused with a ConfigError naming "
+            f"tls.cert, tls.key and tls.ca; got {refusal!r}"
+        )
+        listener.settimeout(1.0)
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            pass
+        else:
+            conn.close()
+            pytest.fail(f"a {kind} client without TLS files must not dial at all")
+
+
+def try_connect(eph: EphemeralMessenger) -> None:
+    with contextlib.suppress(KeyopError):
+        eph.connect(timeout=WAIT_S)

@@ -37,9 +37,10 @@ Differences from the original, on purpose:
   expiry warning days must be >= 0, the federation numbers must be positive
   with ``reconnect_max_ms >= reconnect_base_ms``, addresses must look like
   ``host:port``, an enabled hub needs ``listen_addr`` and the TLS files, an
-  enabled client needs at least one hub, ``tls.ca`` is required whenever
-  ``tls.cert`` is set, and peer names in ``hub.allowed_peers`` must be
-  non-empty and unique.
+  enabled client needs at least one hub and the TLS files (the original
+  dialed plain ``ws://`` without them; federation here is always TLS),
+  ``tls.ca`` is required whenever ``tls.cert`` is set, and peer names in
+  ``hub.allowed_peers`` must be non-empty and unique.
 * ``tls.min_version`` written as an unquoted YAML number (``1.2`` or ``1.3``)
   is accepted and stored as the string ``"1.2"`` / ``"1.3"``; any other
   number is reported.
@@ -314,7 +315,8 @@ class TLSConfig:
 
     Attributes:
         cert: Path of this instance's PEM certificate (leaf first); requires ``key``
-            and ``ca``. Empty: no hub, and clients dial plain ``ws://``.
+            and ``ca``. Required by an enabled hub or client: federation is
+            always TLS, never plain ``ws://``.
         key: Path of the PEM private key; requires ``cert``.
         ca: Path of the PEM file of CA certificates trusted for both roles.
         min_version: ``"1.2"`` or ``"1.3"``; checked but ignored at runtime (TLS 1.3
@@ -925,14 +927,16 @@ def _check_tls(config: Config, problems: _Problems) -> None:
     if not problems.usable("tls"):
         return
     tls = config.tls
-    hub_enabled = problems.usable("hub.enabled") and config.hub.enabled
+    roles = [
+        f"{role}.enabled is true"
+        for role in ("hub", "client")
+        if problems.usable(f"{role}.enabled") and getattr(config, role).enabled
+    ]
     cert_set = problems.usable("tls.cert") and tls.cert != ""
     key_set = problems.usable("tls.key") and tls.key != ""
-    reasons = {
-        "cert": ["hub.enabled is true"] if hub_enabled else [],
-        "key": ["hub.enabled is true"] if hub_enabled else [],
-        "ca": ["hub.enabled is true"] if hub_enabled else [],
-    }
+    # Federation is always TLS: an enabled hub or client without the files is
+    # refused here rather than dialing or listening in plaintext.
+    reasons = {"cert": list(roles), "key": list(roles), "ca": list(roles)}
     if key_set:
         reasons["cert"].append("tls.key is set")
     if cert_set:

@@ -54,6 +54,12 @@ class EphemeralMessenger:
             config = load_config(config)
         if not config.client.hubs:
             raise ConfigError(["client.hubs: an EphemeralMessenger needs at least one hub"])
+        missing = [name for name in ("cert", "key", "ca") if not getattr(config.tls, name)]
+        if missing:
+            raise ConfigError(
+                [f"tls.{name}: required by an EphemeralMessenger (federation is always TLS)"
+                 for name in missing]
+            )
         self._config = config
         self._registry = PayloadRegistry()
         self._handlers: dict[str, list[Handler]] = {}

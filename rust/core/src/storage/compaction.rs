@@ -15,6 +15,7 @@ use std::time::{Duration, SystemTime};
 
 use super::offsets::{list_offsets, read_offset, subscribers_dir};
 use super::segment::{list_segments, segment_path, sync_dir};
+use super::testhook;
 use crate::envelope::{validate_name, NameKind, FED_CURSOR_PREFIX, HUB_CURSOR_PREFIX};
 
 /// Retention settings.
@@ -90,8 +91,10 @@ pub fn compact_channel(
         let path = segment_path(&chan_dir, start);
         let size = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
         fs::remove_file(&path)?;
+        testhook::entry_changed(&path);
         report.segments_deleted += 1;
         report.bytes_freed += size;
+        testhook::stop_point("compaction");
     }
     if report.segments_deleted > 0 {
         sync_dir(&chan_dir)?;

@@ -5,6 +5,7 @@ pub mod compaction;
 pub mod offsets;
 pub mod reader;
 pub mod segment;
+pub mod testhook;
 pub mod writer;
 
 use std::collections::HashMap;

@@ -10,7 +10,7 @@ use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use super::segment;
+use super::{segment, testhook};
 
 /// Extension of offset files.
 pub const OFFSET_EXT: &str = ".offset";
@@ -66,7 +66,9 @@ pub fn write_offset(path: &Path, value: u64) -> io::Result<()> {
         f.write_all(format!("{value}\n").as_bytes())?;
         f.sync_all()?;
         drop(f);
+        testhook::stop_point("offset-tmp");
         fs::rename(&tmp, path)?;
+        testhook::entry_changed(path);
         if let Some(dir) = path.parent() {
             segment::sync_dir(dir)?;
         }

@@ -6,6 +6,8 @@ use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use super::testhook;
+
 /// Width of the zero-padded start offset in a segment's file name.
 pub const SEGMENT_NAME_DIGITS: usize = 20;
 /// Extension of segment files.
@@ -69,28 +71,46 @@ pub fn stream_end(dir: &Path) -> io::Result<u64> {
 /// Creates a new, empty segment (exclusive create, mode 0644 before umask)
 /// and fsyncs the directory so the new entry survives a crash.
 pub fn create_segment(dir: &Path, start: u64) -> io::Result<File> {
+    let path = segment_path(dir, start);
     let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create_new(true)
         .mode(0o644)
-        .open(segment_path(dir, start))?;
+        .open(&path)?;
+    testhook::entry_changed(&path);
     sync_dir(dir)?;
     Ok(file)
 }
 
 /// fsyncs a directory (makes created, renamed and deleted entries durable).
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir)?.sync_all()
+    File::open(dir)?.sync_all()?;
+    testhook::dir_synced(dir);
+    Ok(())
 }
 
-/// Creates `dir` and its parents with mode 0755 (before umask).
+/// Creates `dir` and its parents with mode 0755 (before umask), fsyncing
+/// the parent of each directory it created so the new entries survive a
+/// crash (an offset file in a directory whose entry is lost is lost too).
 pub fn create_dir_all(dir: &Path) -> io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+        .collect();
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o755)
-        .create(dir)
+        .create(dir)?;
+    for created in missing.iter().rev() {
+        testhook::entry_changed(created);
+        match created.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => sync_dir(parent)?,
+            _ => sync_dir(Path::new("."))?,
+        }
+    }
+    Ok(())
 }
 
 /// Length of the longest prefix of `file` (of length `len`) that ends with a
