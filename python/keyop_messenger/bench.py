@@ -3,8 +3,10 @@
 Every figure is the median of several runs and is printed next to a raw probe
 measured in the same run (a write+fdatasync loop for durable figures, a
 loopback TLS echo for federated ones), so results read as ratios to what the
-machine can do. ``--json`` prints one JSON object; ``--quick`` stays under a
-minute. Pin it to one core to stand in for a small board::
+machine can do. The throughput loops also measure the process's CPU time (user
++ system, every thread), reported as CPU microseconds per published and per
+delivered message. ``--json`` prints one JSON object; ``--quick`` stays under
+a minute. Pin it to one core to stand in for a small board::
 
     taskset -c 0 keyop-messenger bench --quick
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import ssl
 import statistics
@@ -24,25 +25,50 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 PAYLOAD = {"sensor": "t-17", "celsius": 21.5, "seq": 0, "ok": True}
 TYPE = "bench.Reading"
 
 
-def _median(runs: int, measure: Callable[[], float]) -> float:
-    return statistics.median(measure() for _ in range(runs))
+class Sample(NamedTuple):
+    """One timed run of a throughput figure."""
+
+    per_s: float
+    """Messages per second of wall time."""
+    cpu_us: float
+    """Process CPU time (user + system, every thread) per message, in microseconds."""
 
 
-def _rate(seconds: float, step: Callable[[], int]) -> float:
-    """Runs ``step`` (returns messages done) for ``seconds``; messages per second."""
+class _Stopwatch:
+    """Wall time and the process's CPU time, started together."""
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = time.process_time()
+
+    def sample(self, messages: int) -> Sample:
+        wall = time.perf_counter() - self.wall
+        cpu = time.process_time() - self.cpu
+        return Sample(messages / wall, cpu * 1e6 / max(messages, 1))
+
+
+def _median(runs: int, measure: Callable[[], Sample]) -> Sample:
+    """Field-wise median of ``runs`` runs of ``measure``."""
+    samples = [measure() for _ in range(runs)]
+    return Sample(*(statistics.median(field) for field in zip(*samples, strict=True)))
+
+
+def _rate(seconds: float, step: Callable[[], int]) -> Sample:
+    """Runs ``step`` (returns messages done) for ``seconds``."""
     done = 0
-    start = time.perf_counter()
-    deadline = start + seconds
+    clock = _Stopwatch()
+    deadline = clock.wall + seconds
     while time.perf_counter() < deadline:
         done += step()
-    return done / (time.perf_counter() - start)
+    return clock.sample(done)
 
 
 class Suite:
@@ -74,13 +100,20 @@ class Suite:
         doc.update(extra)
         return km.Messenger(km.Config.from_dict(doc))
 
-    def record(self, key: str, value: float, label: str, ratio: str = "") -> None:
-        self.results[key] = round(value, 1)
-        self.rows.append((label, f"{value:,.0f}", ratio))
+    def value(self, key: str, value: float, decimals: int = 1) -> None:
+        """A figure in the JSON only."""
+        self.results[key] = round(value, max(1, decimals))
+
+    def record(
+        self, key: str, value: float, label: str, ratio: str = "", decimals: int = 0
+    ) -> None:
+        """A figure in the JSON and a row of the table."""
+        self.value(key, value, decimals)
+        self.rows.append((label, f"{value:,.{decimals}f}", ratio))
 
     # -- local -----------------------------------------------------------
 
-    def raw_fdatasync(self) -> float:
+    def raw_fdatasync(self) -> Sample:
         record = b"x" * 199 + b"\n"
         path = self.root / "raw.probe"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -95,7 +128,7 @@ class Suite:
         finally:
             os.close(fd)
 
-    def publish_threads(self, threads: int) -> float:
+    def publish_threads(self, threads: int) -> Sample:
         with self.messenger(0) as m:
             counts = [0] * threads
             stop = time.perf_counter() + self.seconds
@@ -107,24 +140,24 @@ class Suite:
                     n += 1
                 counts[i] = n
 
-            start = time.perf_counter()
+            clock = _Stopwatch()
             pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
             for t in pool:
                 t.start()
             for t in pool:
                 t.join()
-            return sum(counts) / (time.perf_counter() - start)
+            return clock.sample(sum(counts))
 
-    def publish_batch(self, size: int) -> float:
+    def publish_batch(self, size: int) -> Sample:
         with self.messenger(0) as m:
             items = [(TYPE, PAYLOAD)] * size
             return _rate(self.seconds, lambda: len(m.publish_batch("bench", items)))
 
-    def publish_relaxed(self) -> float:
+    def publish_relaxed(self) -> Sample:
         with self.messenger(200) as m:
             return _rate(self.seconds, lambda: (m.publish("bench", TYPE, PAYLOAD), 1)[1])
 
-    def subscribe_relaxed(self, n: int) -> float:
+    def subscribe_relaxed(self, n: int) -> Sample:
         """Delivery rate of ``n`` stored messages into a no-op handler."""
         with self.messenger(200) as m:
             items = [(TYPE, PAYLOAD)] * 1000
@@ -210,9 +243,10 @@ class Suite:
         t.join(timeout=5)
         return len(lat) / sum(lat), statistics.median(lat) * 1e6
 
-    def federated(self, pki: Path, n: int) -> tuple[float, float, float]:
+    def federated(self, pki: Path, n: int) -> tuple[Sample, float, float]:
         """Relaxed client -> hub throughput (msg/s arriving at a hub
-        subscriber), and ephemeral publish round trip p50/p99 (us)."""
+        subscriber; CPU of both ends, which share this process), and
+        ephemeral publish round trip p50/p99 (us)."""
         import keyop_messenger as km
 
         tls = {"ca": str(pki / "ca.crt")}
@@ -253,13 +287,13 @@ class Suite:
                 tls=client_tls,
             )
             try:
-                start = time.perf_counter()
+                clock = _Stopwatch()
                 items = [(TYPE, PAYLOAD)] * 1000
                 for _ in range(n // 1000):
                     client.publish_batch("fed", items)
                 if not done.wait(120):
                     raise RuntimeError(f"only {arrived} of {n} federated messages arrived")
-                throughput = n / (time.perf_counter() - start)
+                throughput = clock.sample(n)
             finally:
                 client.close()
             cfg = km.Config.from_dict(
@@ -283,7 +317,7 @@ class Suite:
             hub.close()
 
 
-def _deliver_backlog(m: Any, n: int) -> float:
+def _deliver_backlog(m: Any, n: int) -> Sample:
     """Subscribes an id whose offset file says 0 (a new id would start at the
     end) and times the delivery of the ``n`` stored messages."""
     data_dir = Path(m.config.storage.data_dir)
@@ -299,13 +333,13 @@ def _deliver_backlog(m: Any, n: int) -> float:
         if seen == n:
             done.set()
 
-    start = time.perf_counter()
+    clock = _Stopwatch()
     sub = m.subscribe("bench", "replay", handler)
     if not done.wait(120):
         raise RuntimeError(f"only {seen} of {n} messages delivered")
-    rate = n / (time.perf_counter() - start)
+    delivered = clock.sample(n)
     sub.close()
-    return rate
+    return delivered
 
 
 def rss_idle_client_mb() -> float:
@@ -338,30 +372,33 @@ def rss_idle_client_mb() -> float:
     return (client - bare) / 1024
 
 
+def _settings(quick: bool) -> tuple[float, int, int]:
+    """Seconds per timed loop, runs per figure, messages per backlog."""
+    return (0.5, 1, 50_000) if quick else (2.0, 3, 300_000)
+
+
 def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
-    seconds, runs, n = (0.5, 1, 50_000) if quick else (2.0, 3, 300_000)
-    root = Path(tempfile.mkdtemp(prefix="keyop-bench-"))
-    suite = Suite(root, seconds, runs)
-    try:
+    seconds, runs, n = _settings(quick)
+    with tempfile.TemporaryDirectory(prefix="keyop-bench-", ignore_cleanup_errors=True) as d:
+        suite = Suite(Path(d), seconds, runs)
         raw = _median(runs, suite.raw_fdatasync)
-        suite.record("raw_fdatasync_per_s", raw, "raw write+fdatasync (200 B)", "1.00 x raw")
-        one = 0.0
-        for threads in (1, 4, 16, 64):
-            rate = _median(runs, lambda t=threads: suite.publish_threads(t))
-            if threads == 1:
-                one = rate
-            ratio = f"{rate / raw:.2f} x raw" if threads == 1 else f"{rate / one:.1f} x 1 thread"
-            suite.record(f"publish_durable_{threads}_per_s", rate,
+        suite.record("raw_fdatasync_per_s", raw.per_s, "raw write+fdatasync (200 B)",
+                     "1.00 x raw")
+        durable = {t: _median(runs, partial(suite.publish_threads, t)) for t in (1, 4, 16, 64)}
+        for threads, rate in durable.items():
+            ratio = (f"{rate.per_s / raw.per_s:.2f} x raw" if threads == 1
+                     else f"{rate.per_s / durable[1].per_s:.1f} x 1 thread")
+            suite.record(f"publish_durable_{threads}_per_s", rate.per_s,
                          f"durable publish, {threads} thread(s)", ratio)
-        for size in (10, 100, 1000):
-            rate = _median(runs, lambda s=size: suite.publish_batch(s))
-            suite.record(f"publish_batch_{size}_durable_per_s", rate,
-                         f"durable publish_batch({size})", f"{rate / raw:.0f} x raw")
+        batch = {s: _median(runs, partial(suite.publish_batch, s)) for s in (10, 100, 1000)}
+        for size, rate in batch.items():
+            suite.record(f"publish_batch_{size}_durable_per_s", rate.per_s,
+                         f"durable publish_batch({size})", f"{rate.per_s / raw.per_s:.0f} x raw")
         relaxed = _median(runs, suite.publish_relaxed)
-        suite.record("publish_relaxed_per_s", relaxed, "relaxed publish (sync 200 ms)",
+        suite.record("publish_relaxed_per_s", relaxed.per_s, "relaxed publish (sync 200 ms)",
                      "target >= 250,000")
         sub = _median(runs, lambda: suite.subscribe_relaxed(n))
-        suite.record("subscribe_relaxed_per_s", sub, "subscribe -> no-op handler",
+        suite.record("subscribe_relaxed_per_s", sub.per_s, "subscribe -> no-op handler",
                      "target >= 300,000")
         for mode, interval in (("relaxed", 200), ("durable", 0)):
             p50, p99 = suite.local_latency(interval)
@@ -372,7 +409,7 @@ def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
         suite.record("raw_tls_echo_per_s", echo_rate, "raw loopback TLS echo (200 B)",
                      f"p50 {echo_p50:.0f} us")
         fed, p50, p99 = suite.federated(pki, n)
-        suite.record("federated_relaxed_per_s", fed, "federated client -> hub (relaxed)",
+        suite.record("federated_relaxed_per_s", fed.per_s, "federated client -> hub (relaxed)",
                      "target >= 100,000")
         suite.record("federated_rtt_p50_us", p50, "federated round trip p50 (us)",
                      f"{p50 / echo_p50:.1f} x TLS echo; target < 1000")
@@ -380,9 +417,25 @@ def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
         rss = rss_idle_client_mb()
         suite.record("rss_idle_client_mb", rss, "RSS of an idle 2-hub client (MB)",
                      "above the interpreter; target < 20")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+        # CPU per message, from the timed loops above (process CPU, every thread).
+        suite.value("cpu_us_per_raw_fdatasync", raw.cpu_us, decimals=1)
+        suite.record("cpu_us_per_publish_durable", durable[1].cpu_us,
+                     "CPU per durable publish, 1 thread (us)",
+                     f"{durable[1].cpu_us / raw.cpu_us:.1f} x raw write+fdatasync "
+                     f"({raw.cpu_us:.1f} us)", decimals=1)
+        suite.record("cpu_us_per_publish_batch_100_durable", batch[100].cpu_us,
+                     "CPU per message, publish_batch(100) (us)",
+                     _per_core(batch[100].cpu_us), decimals=1)
+        suite.record("cpu_us_per_publish_relaxed", relaxed.cpu_us,
+                     "CPU per relaxed publish (us)", _per_core(relaxed.cpu_us), decimals=1)
+        suite.record("cpu_us_per_delivery", sub.cpu_us, "CPU per delivery (us)",
+                     _per_core(sub.cpu_us), decimals=1)
     return suite.results, suite.rows
+
+
+def _per_core(cpu_us: float) -> str:
+    """What one busy core would sustain at this CPU cost per message."""
+    return f"= {1e6 / cpu_us:,.0f}/s per busy core" if cpu_us > 0 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
