@@ -6,7 +6,10 @@ loopback TLS echo for federated ones), so results read as ratios to what the
 machine can do. The throughput loops also measure the process's CPU time (user
 + system, every thread), reported as CPU microseconds per published and per
 delivered message. ``--json`` prints one JSON object; ``--quick`` stays under
-a minute. Pin it to one core to stand in for a small board::
+a minute. ``--one-core`` measures the main throughput figures again in child
+processes pinned to one CPU and to two and compares them (target: one core
+>= 0.5 x two cores). Pin the whole suite to one core to stand in for a small
+board::
 
     taskset -c 0 keyop-messenger bench --quick
 """
@@ -110,6 +113,11 @@ class Suite:
         """A figure in the JSON and a row of the table."""
         self.value(key, value, decimals)
         self.rows.append((label, f"{value:,.{decimals}f}", ratio))
+
+    def note(self, key: str, label: str, text: str) -> None:
+        """A row without a figure (a section skipped, and why)."""
+        self.results[key] = text
+        self.rows.append((label, "-", text))
 
     # -- local -----------------------------------------------------------
 
@@ -243,10 +251,12 @@ class Suite:
         t.join(timeout=5)
         return len(lat) / sum(lat), statistics.median(lat) * 1e6
 
-    def federated(self, pki: Path, n: int) -> tuple[Sample, float, float]:
+    def federated(
+        self, pki: Path, n: int, round_trips: bool = True
+    ) -> tuple[Sample, tuple[float, float] | None]:
         """Relaxed client -> hub throughput (msg/s arriving at a hub
-        subscriber; CPU of both ends, which share this process), and
-        ephemeral publish round trip p50/p99 (us)."""
+        subscriber; CPU of both ends, which share this process), and unless
+        ``round_trips`` is false, ephemeral publish round trip p50/p99 (us)."""
         import keyop_messenger as km
 
         tls = {"ca": str(pki / "ca.crt")}
@@ -296,6 +306,8 @@ class Suite:
                 throughput = clock.sample(n)
             finally:
                 client.close()
+            if not round_trips:
+                return throughput, None
             cfg = km.Config.from_dict(
                 {
                     "name": "bench-client",
@@ -312,7 +324,7 @@ class Suite:
                     e.publish("rtt", TYPE, PAYLOAD)
                     lat.append(time.perf_counter() - t0)
             q = statistics.quantiles(lat, n=100)
-            return throughput, q[49] * 1e6, q[98] * 1e6
+            return throughput, (q[49] * 1e6, q[98] * 1e6)
         finally:
             hub.close()
 
@@ -372,12 +384,93 @@ def rss_idle_client_mb() -> float:
     return (client - bare) / 1024
 
 
+#: Throughput figures that ``--one-core`` measures again pinned to one CPU
+#: and to two: key (in ``one_core_ratio_<key>`` etc.) -> label.
+ONE_CORE_CASES: dict[str, str] = {
+    "publish_relaxed": "relaxed publish",
+    "publish_durable_16": "durable publish, 16 threads",
+    "publish_batch_100_durable": "durable publish_batch(100)",
+    "subscribe_relaxed": "subscribe -> no-op handler",
+    "federated_relaxed": "federated client -> hub",
+}
+ONE_CORE_TARGET = 0.5
+
+
 def _settings(quick: bool) -> tuple[float, int, int]:
     """Seconds per timed loop, runs per figure, messages per backlog."""
     return (0.5, 1, 50_000) if quick else (2.0, 3, 300_000)
 
 
-def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+def pinned_throughput(cpus: set[int], quick: bool) -> dict[str, Sample]:
+    """The ``ONE_CORE_CASES`` figures of this process after pinning it to
+    ``cpus``. Call it before any messenger exists: the engine's threads
+    inherit the affinity of the thread that starts them."""
+    os.sched_setaffinity(0, cpus)
+    seconds, runs, n = _settings(quick)
+    with tempfile.TemporaryDirectory(prefix="keyop-bench-", ignore_cleanup_errors=True) as d:
+        suite = Suite(Path(d), seconds, runs)
+        pki = suite.pki()
+        measures: dict[str, Callable[[], Sample]] = {
+            "publish_relaxed": suite.publish_relaxed,
+            "publish_durable_16": partial(suite.publish_threads, 16),
+            "publish_batch_100_durable": partial(suite.publish_batch, 100),
+            "subscribe_relaxed": partial(suite.subscribe_relaxed, n),
+            "federated_relaxed": lambda: suite.federated(pki, n, round_trips=False)[0],
+        }
+        assert measures.keys() == ONE_CORE_CASES.keys()
+        return {key: _median(runs, measure) for key, measure in measures.items()}
+
+
+def _run_pinned(cpus: list[int], quick: bool) -> dict[str, Sample]:
+    """``pinned_throughput`` in a child process (a fresh engine, so that every
+    thread it starts is pinned)."""
+    cmd = [sys.executable, "-m", "keyop_messenger.bench", "--pinned", ",".join(map(str, cpus))]
+    if quick:
+        cmd.append("--quick")
+    # The child imports this same package, also when it runs from a source tree.
+    package_parent = str(Path(__file__).resolve().parents[1])
+    path = [package_parent, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"the benchmark pinned to CPUs {cpus} failed:\n{done.stderr[-3000:]}")
+    figures = json.loads(done.stdout.splitlines()[-1])
+    return {key: Sample(*value) for key, value in figures.items()}
+
+
+def one_core_comparison(suite: Suite, quick: bool) -> None:
+    """Records each ``ONE_CORE_CASES`` figure on one CPU, on two, and their
+    ratio against the target (one core >= 0.5 x two cores). Both sides run in
+    pinned child processes, so "two cores" means two also on a bigger machine."""
+    label = "one-core comparison"
+    if not hasattr(os, "sched_getaffinity"):
+        suite.note("one_core_skipped", label, "skipped: no CPU affinity on this platform")
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        suite.note("one_core_skipped", label,
+                   f"skipped: needs >= 2 CPUs; this process may use {len(cpus)}")
+        return
+    two = _run_pinned(cpus[:2], quick)
+    one = _run_pinned(cpus[:1], quick)
+    suite.results["one_core_cpus"] = str(cpus[0])
+    suite.results["two_core_cpus"] = f"{cpus[0]},{cpus[1]}"
+    met = True
+    for key, case in ONE_CORE_CASES.items():
+        ratio = one[key].per_s / two[key].per_s
+        met = met and ratio >= ONE_CORE_TARGET
+        verdict = "met" if ratio >= ONE_CORE_TARGET else "MISSED"
+        suite.value(f"two_core_{key}_per_s", two[key].per_s)
+        suite.value(f"one_core_ratio_{key}", ratio, decimals=2)
+        suite.record(f"one_core_{key}_per_s", one[key].per_s, f"1 core: {case}",
+                     f"{ratio:.2f} x 2 cores ({two[key].per_s:,.0f}); "
+                     f"target >= {ONE_CORE_TARGET}: {verdict}")
+    suite.results["one_core_target_met"] = met
+
+
+def run(
+    quick: bool, one_core: bool = False
+) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
     seconds, runs, n = _settings(quick)
     with tempfile.TemporaryDirectory(prefix="keyop-bench-", ignore_cleanup_errors=True) as d:
         suite = Suite(Path(d), seconds, runs)
@@ -408,7 +501,9 @@ def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
         echo_rate, echo_p50 = suite.tls_echo(pki)
         suite.record("raw_tls_echo_per_s", echo_rate, "raw loopback TLS echo (200 B)",
                      f"p50 {echo_p50:.0f} us")
-        fed, p50, p99 = suite.federated(pki, n)
+        fed, rtt = suite.federated(pki, n)
+        assert rtt is not None
+        p50, p99 = rtt
         suite.record("federated_relaxed_per_s", fed.per_s, "federated client -> hub (relaxed)",
                      "target >= 100,000")
         suite.record("federated_rtt_p50_us", p50, "federated round trip p50 (us)",
@@ -430,6 +525,8 @@ def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
                      "CPU per relaxed publish (us)", _per_core(relaxed.cpu_us), decimals=1)
         suite.record("cpu_us_per_delivery", sub.cpu_us, "CPU per delivery (us)",
                      _per_core(sub.cpu_us), decimals=1)
+        if one_core:
+            one_core_comparison(suite, quick)
     return suite.results, suite.rows
 
 
@@ -443,8 +540,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="keyop-messenger bench", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="one short run of each (< 60 s)")
+    ap.add_argument(
+        "--one-core",
+        action="store_true",
+        help="also measure the main throughput figures pinned to one CPU and to two, and "
+        f"compare them (target: one core >= {ONE_CORE_TARGET} x two cores; needs >= 2 CPUs)",
+    )
+    # Internal: the child process of --one-core.
+    ap.add_argument("--pinned", metavar="CPUS", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    results, rows = run(args.quick)
+    if args.pinned is not None:
+        cpus = {int(c) for c in args.pinned.split(",")}
+        figures = pinned_throughput(cpus, args.quick)
+        print(json.dumps({key: list(sample) for key, sample in figures.items()}))
+        return 0
+    results, rows = run(args.quick, args.one_core)
     if args.json:
         print(json.dumps(results, sort_keys=True))
         return 0
