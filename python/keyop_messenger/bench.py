@@ -3,8 +3,13 @@
 Every figure is the median of several runs and is printed next to a raw probe
 measured in the same run (a write+fdatasync loop for durable figures, a
 loopback TLS echo for federated ones), so results read as ratios to what the
-machine can do. ``--json`` prints one JSON object; ``--quick`` stays under a
-minute. Pin it to one core to stand in for a small board::
+machine can do. The throughput loops also measure the process's CPU time (user
++ system, every thread), reported as CPU microseconds per published and per
+delivered message. ``--json`` prints one JSON object; ``--quick`` stays under
+a minute. ``--one-core`` measures the main throughput figures again in child
+processes pinned to one CPU and to two and compares them (target: one core
+>= 0.5 x two cores). Pin the whole suite to one core to stand in for a small
+board::
 
     taskset -c 0 keyop-messenger bench --quick
 """
@@ -14,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import ssl
 import statistics
@@ -24,25 +28,50 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 PAYLOAD = {"sensor": "t-17", "celsius": 21.5, "seq": 0, "ok": True}
 TYPE = "bench.Reading"
 
 
-def _median(runs: int, measure: Callable[[], float]) -> float:
-    return statistics.median(measure() for _ in range(runs))
+class Sample(NamedTuple):
+    """One timed run of a throughput figure."""
+
+    per_s: float
+    """Messages per second of wall time."""
+    cpu_us: float
+    """Process CPU time (user + system, every thread) per message, in microseconds."""
 
 
-def _rate(seconds: float, step: Callable[[], int]) -> float:
-    """Runs ``step`` (returns messages done) for ``seconds``; messages per second."""
+class _Stopwatch:
+    """Wall time and the process's CPU time, started together."""
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = time.process_time()
+
+    def sample(self, messages: int) -> Sample:
+        wall = time.perf_counter() - self.wall
+        cpu = time.process_time() - self.cpu
+        return Sample(messages / wall, cpu * 1e6 / max(messages, 1))
+
+
+def _median(runs: int, measure: Callable[[], Sample]) -> Sample:
+    """Field-wise median of ``runs`` runs of ``measure``."""
+    samples = [measure() for _ in range(runs)]
+    return Sample(*(statistics.median(field) for field in zip(*samples, strict=True)))
+
+
+def _rate(seconds: float, step: Callable[[], int]) -> Sample:
+    """Runs ``step`` (returns messages done) for ``seconds``."""
     done = 0
-    start = time.perf_counter()
-    deadline = start + seconds
+    clock = _Stopwatch()
+    deadline = clock.wall + seconds
     while time.perf_counter() < deadline:
         done += step()
-    return done / (time.perf_counter() - start)
+    return clock.sample(done)
 
 
 class Suite:
@@ -74,13 +103,25 @@ class Suite:
         doc.update(extra)
         return km.Messenger(km.Config.from_dict(doc))
 
-    def record(self, key: str, value: float, label: str, ratio: str = "") -> None:
-        self.results[key] = round(value, 1)
-        self.rows.append((label, f"{value:,.0f}", ratio))
+    def value(self, key: str, value: float, decimals: int = 1) -> None:
+        """A figure in the JSON only."""
+        self.results[key] = round(value, max(1, decimals))
+
+    def record(
+        self, key: str, value: float, label: str, ratio: str = "", decimals: int = 0
+    ) -> None:
+        """A figure in the JSON and a row of the table."""
+        self.value(key, value, decimals)
+        self.rows.append((label, f"{value:,.{decimals}f}", ratio))
+
+    def note(self, key: str, label: str, text: str) -> None:
+        """A row without a figure (a section skipped, and why)."""
+        self.results[key] = text
+        self.rows.append((label, "-", text))
 
     # -- local -----------------------------------------------------------
 
-    def raw_fdatasync(self) -> float:
+    def raw_fdatasync(self) -> Sample:
         record = b"x" * 199 + b"\n"
         path = self.root / "raw.probe"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -95,7 +136,7 @@ class Suite:
         finally:
             os.close(fd)
 
-    def publish_threads(self, threads: int) -> float:
+    def publish_threads(self, threads: int) -> Sample:
         with self.messenger(0) as m:
             counts = [0] * threads
             stop = time.perf_counter() + self.seconds
@@ -107,24 +148,24 @@ class Suite:
                     n += 1
                 counts[i] = n
 
-            start = time.perf_counter()
+            clock = _Stopwatch()
             pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
             for t in pool:
                 t.start()
             for t in pool:
                 t.join()
-            return sum(counts) / (time.perf_counter() - start)
+            return clock.sample(sum(counts))
 
-    def publish_batch(self, size: int) -> float:
+    def publish_batch(self, size: int) -> Sample:
         with self.messenger(0) as m:
             items = [(TYPE, PAYLOAD)] * size
             return _rate(self.seconds, lambda: len(m.publish_batch("bench", items)))
 
-    def publish_relaxed(self) -> float:
+    def publish_relaxed(self) -> Sample:
         with self.messenger(200) as m:
             return _rate(self.seconds, lambda: (m.publish("bench", TYPE, PAYLOAD), 1)[1])
 
-    def subscribe_relaxed(self, n: int) -> float:
+    def subscribe_relaxed(self, n: int) -> Sample:
         """Delivery rate of ``n`` stored messages into a no-op handler."""
         with self.messenger(200) as m:
             items = [(TYPE, PAYLOAD)] * 1000
@@ -210,9 +251,12 @@ class Suite:
         t.join(timeout=5)
         return len(lat) / sum(lat), statistics.median(lat) * 1e6
 
-    def federated(self, pki: Path, n: int) -> tuple[float, float, float]:
+    def federated(
+        self, pki: Path, n: int, round_trips: bool = True
+    ) -> tuple[Sample, tuple[float, float] | None]:
         """Relaxed client -> hub throughput (msg/s arriving at a hub
-        subscriber), and ephemeral publish round trip p50/p99 (us)."""
+        subscriber; CPU of both ends, which share this process), and unless
+        ``round_trips`` is false, ephemeral publish round trip p50/p99 (us)."""
         import keyop_messenger as km
 
         tls = {"ca": str(pki / "ca.crt")}
@@ -253,15 +297,17 @@ class Suite:
                 tls=client_tls,
             )
             try:
-                start = time.perf_counter()
+                clock = _Stopwatch()
                 items = [(TYPE, PAYLOAD)] * 1000
                 for _ in range(n // 1000):
                     client.publish_batch("fed", items)
                 if not done.wait(120):
                     raise RuntimeError(f"only {arrived} of {n} federated messages arrived")
-                throughput = n / (time.perf_counter() - start)
+                throughput = clock.sample(n)
             finally:
                 client.close()
+            if not round_trips:
+                return throughput, None
             cfg = km.Config.from_dict(
                 {
                     "name": "bench-client",
@@ -278,12 +324,12 @@ class Suite:
                     e.publish("rtt", TYPE, PAYLOAD)
                     lat.append(time.perf_counter() - t0)
             q = statistics.quantiles(lat, n=100)
-            return throughput, q[49] * 1e6, q[98] * 1e6
+            return throughput, (q[49] * 1e6, q[98] * 1e6)
         finally:
             hub.close()
 
 
-def _deliver_backlog(m: Any, n: int) -> float:
+def _deliver_backlog(m: Any, n: int) -> Sample:
     """Subscribes an id whose offset file says 0 (a new id would start at the
     end) and times the delivery of the ``n`` stored messages."""
     data_dir = Path(m.config.storage.data_dir)
@@ -299,13 +345,13 @@ def _deliver_backlog(m: Any, n: int) -> float:
         if seen == n:
             done.set()
 
-    start = time.perf_counter()
+    clock = _Stopwatch()
     sub = m.subscribe("bench", "replay", handler)
     if not done.wait(120):
         raise RuntimeError(f"only {seen} of {n} messages delivered")
-    rate = n / (time.perf_counter() - start)
+    delivered = clock.sample(n)
     sub.close()
-    return rate
+    return delivered
 
 
 def rss_idle_client_mb() -> float:
@@ -338,30 +384,114 @@ def rss_idle_client_mb() -> float:
     return (client - bare) / 1024
 
 
-def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
-    seconds, runs, n = (0.5, 1, 50_000) if quick else (2.0, 3, 300_000)
-    root = Path(tempfile.mkdtemp(prefix="keyop-bench-"))
-    suite = Suite(root, seconds, runs)
-    try:
+#: Throughput figures that ``--one-core`` measures again pinned to one CPU
+#: and to two: key (in ``one_core_ratio_<key>`` etc.) -> label.
+ONE_CORE_CASES: dict[str, str] = {
+    "publish_relaxed": "relaxed publish",
+    "publish_durable_16": "durable publish, 16 threads",
+    "publish_batch_100_durable": "durable publish_batch(100)",
+    "subscribe_relaxed": "subscribe -> no-op handler",
+    "federated_relaxed": "federated client -> hub",
+}
+ONE_CORE_TARGET = 0.5
+
+
+def _settings(quick: bool) -> tuple[float, int, int]:
+    """Seconds per timed loop, runs per figure, messages per backlog."""
+    return (0.5, 1, 50_000) if quick else (2.0, 3, 300_000)
+
+
+def pinned_throughput(cpus: set[int], quick: bool) -> dict[str, Sample]:
+    """The ``ONE_CORE_CASES`` figures of this process after pinning it to
+    ``cpus``. Call it before any messenger exists: the engine's threads
+    inherit the affinity of the thread that starts them."""
+    os.sched_setaffinity(0, cpus)
+    seconds, runs, n = _settings(quick)
+    with tempfile.TemporaryDirectory(prefix="keyop-bench-", ignore_cleanup_errors=True) as d:
+        suite = Suite(Path(d), seconds, runs)
+        pki = suite.pki()
+        measures: dict[str, Callable[[], Sample]] = {
+            "publish_relaxed": suite.publish_relaxed,
+            "publish_durable_16": partial(suite.publish_threads, 16),
+            "publish_batch_100_durable": partial(suite.publish_batch, 100),
+            "subscribe_relaxed": partial(suite.subscribe_relaxed, n),
+            "federated_relaxed": lambda: suite.federated(pki, n, round_trips=False)[0],
+        }
+        assert measures.keys() == ONE_CORE_CASES.keys()
+        return {key: _median(runs, measure) for key, measure in measures.items()}
+
+
+def _run_pinned(cpus: list[int], quick: bool) -> dict[str, Sample]:
+    """``pinned_throughput`` in a child process (a fresh engine, so that every
+    thread it starts is pinned)."""
+    cmd = [sys.executable, "-m", "keyop_messenger.bench", "--pinned", ",".join(map(str, cpus))]
+    if quick:
+        cmd.append("--quick")
+    # The child imports this same package, also when it runs from a source tree.
+    package_parent = str(Path(__file__).resolve().parents[1])
+    path = [package_parent, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"the benchmark pinned to CPUs {cpus} failed:\n{done.stderr[-3000:]}")
+    figures = json.loads(done.stdout.splitlines()[-1])
+    return {key: Sample(*value) for key, value in figures.items()}
+
+
+def one_core_comparison(suite: Suite, quick: bool) -> None:
+    """Records each ``ONE_CORE_CASES`` figure on one CPU, on two, and their
+    ratio against the target (one core >= 0.5 x two cores). Both sides run in
+    pinned child processes, so "two cores" means two also on a bigger machine."""
+    label = "one-core comparison"
+    if not hasattr(os, "sched_getaffinity"):
+        suite.note("one_core_skipped", label, "skipped: no CPU affinity on this platform")
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        suite.note("one_core_skipped", label,
+                   f"skipped: needs >= 2 CPUs; this process may use {len(cpus)}")
+        return
+    two = _run_pinned(cpus[:2], quick)
+    one = _run_pinned(cpus[:1], quick)
+    suite.results["one_core_cpus"] = str(cpus[0])
+    suite.results["two_core_cpus"] = f"{cpus[0]},{cpus[1]}"
+    met = True
+    for key, case in ONE_CORE_CASES.items():
+        ratio = one[key].per_s / two[key].per_s
+        met = met and ratio >= ONE_CORE_TARGET
+        verdict = "met" if ratio >= ONE_CORE_TARGET else "MISSED"
+        suite.value(f"two_core_{key}_per_s", two[key].per_s)
+        suite.value(f"one_core_ratio_{key}", ratio, decimals=2)
+        suite.record(f"one_core_{key}_per_s", one[key].per_s, f"1 core: {case}",
+                     f"{ratio:.2f} x 2 cores ({two[key].per_s:,.0f}); "
+                     f"target >= {ONE_CORE_TARGET}: {verdict}")
+    suite.results["one_core_target_met"] = met
+
+
+def run(
+    quick: bool, one_core: bool = False
+) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+    seconds, runs, n = _settings(quick)
+    with tempfile.TemporaryDirectory(prefix="keyop-bench-", ignore_cleanup_errors=True) as d:
+        suite = Suite(Path(d), seconds, runs)
         raw = _median(runs, suite.raw_fdatasync)
-        suite.record("raw_fdatasync_per_s", raw, "raw write+fdatasync (200 B)", "1.00 x raw")
-        one = 0.0
-        for threads in (1, 4, 16, 64):
-            rate = _median(runs, lambda t=threads: suite.publish_threads(t))
-            if threads == 1:
-                one = rate
-            ratio = f"{rate / raw:.2f} x raw" if threads == 1 else f"{rate / one:.1f} x 1 thread"
-            suite.record(f"publish_durable_{threads}_per_s", rate,
+        suite.record("raw_fdatasync_per_s", raw.per_s, "raw write+fdatasync (200 B)",
+                     "1.00 x raw")
+        durable = {t: _median(runs, partial(suite.publish_threads, t)) for t in (1, 4, 16, 64)}
+        for threads, rate in durable.items():
+            ratio = (f"{rate.per_s / raw.per_s:.2f} x raw" if threads == 1
+                     else f"{rate.per_s / durable[1].per_s:.1f} x 1 thread")
+            suite.record(f"publish_durable_{threads}_per_s", rate.per_s,
                          f"durable publish, {threads} thread(s)", ratio)
-        for size in (10, 100, 1000):
-            rate = _median(runs, lambda s=size: suite.publish_batch(s))
-            suite.record(f"publish_batch_{size}_durable_per_s", rate,
-                         f"durable publish_batch({size})", f"{rate / raw:.0f} x raw")
+        batch = {s: _median(runs, partial(suite.publish_batch, s)) for s in (10, 100, 1000)}
+        for size, rate in batch.items():
+            suite.record(f"publish_batch_{size}_durable_per_s", rate.per_s,
+                         f"durable publish_batch({size})", f"{rate.per_s / raw.per_s:.0f} x raw")
         relaxed = _median(runs, suite.publish_relaxed)
-        suite.record("publish_relaxed_per_s", relaxed, "relaxed publish (sync 200 ms)",
+        suite.record("publish_relaxed_per_s", relaxed.per_s, "relaxed publish (sync 200 ms)",
                      "target >= 250,000")
         sub = _median(runs, lambda: suite.subscribe_relaxed(n))
-        suite.record("subscribe_relaxed_per_s", sub, "subscribe -> no-op handler",
+        suite.record("subscribe_relaxed_per_s", sub.per_s, "subscribe -> no-op handler",
                      "target >= 300,000")
         for mode, interval in (("relaxed", 200), ("durable", 0)):
             p50, p99 = suite.local_latency(interval)
@@ -371,8 +501,10 @@ def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
         echo_rate, echo_p50 = suite.tls_echo(pki)
         suite.record("raw_tls_echo_per_s", echo_rate, "raw loopback TLS echo (200 B)",
                      f"p50 {echo_p50:.0f} us")
-        fed, p50, p99 = suite.federated(pki, n)
-        suite.record("federated_relaxed_per_s", fed, "federated client -> hub (relaxed)",
+        fed, rtt = suite.federated(pki, n)
+        assert rtt is not None
+        p50, p99 = rtt
+        suite.record("federated_relaxed_per_s", fed.per_s, "federated client -> hub (relaxed)",
                      "target >= 100,000")
         suite.record("federated_rtt_p50_us", p50, "federated round trip p50 (us)",
                      f"{p50 / echo_p50:.1f} x TLS echo; target < 1000")
@@ -380,9 +512,27 @@ def run(quick: bool) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
         rss = rss_idle_client_mb()
         suite.record("rss_idle_client_mb", rss, "RSS of an idle 2-hub client (MB)",
                      "above the interpreter; target < 20")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+        # CPU per message, from the timed loops above (process CPU, every thread).
+        suite.value("cpu_us_per_raw_fdatasync", raw.cpu_us, decimals=1)
+        suite.record("cpu_us_per_publish_durable", durable[1].cpu_us,
+                     "CPU per durable publish, 1 thread (us)",
+                     f"{durable[1].cpu_us / raw.cpu_us:.1f} x raw write+fdatasync "
+                     f"({raw.cpu_us:.1f} us)", decimals=1)
+        suite.record("cpu_us_per_publish_batch_100_durable", batch[100].cpu_us,
+                     "CPU per message, publish_batch(100) (us)",
+                     _per_core(batch[100].cpu_us), decimals=1)
+        suite.record("cpu_us_per_publish_relaxed", relaxed.cpu_us,
+                     "CPU per relaxed publish (us)", _per_core(relaxed.cpu_us), decimals=1)
+        suite.record("cpu_us_per_delivery", sub.cpu_us, "CPU per delivery (us)",
+                     _per_core(sub.cpu_us), decimals=1)
+        if one_core:
+            one_core_comparison(suite, quick)
     return suite.results, suite.rows
+
+
+def _per_core(cpu_us: float) -> str:
+    """What one busy core would sustain at this CPU cost per message."""
+    return f"= {1e6 / cpu_us:,.0f}/s per busy core" if cpu_us > 0 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,8 +540,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="keyop-messenger bench", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="one short run of each (< 60 s)")
+    ap.add_argument(
+        "--one-core",
+        action="store_true",
+        help="also measure the main throughput figures pinned to one CPU and to two, and "
+        f"compare them (target: one core >= {ONE_CORE_TARGET} x two cores; needs >= 2 CPUs)",
+    )
+    # Internal: the child process of --one-core.
+    ap.add_argument("--pinned", metavar="CPUS", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    results, rows = run(args.quick)
+    if args.pinned is not None:
+        cpus = {int(c) for c in args.pinned.split(",")}
+        figures = pinned_throughput(cpus, args.quick)
+        print(json.dumps({key: list(sample) for key, sample in figures.items()}))
+        return 0
+    results, rows = run(args.quick, args.one_core)
     if args.json:
         print(json.dumps(results, sort_keys=True))
         return 0

@@ -160,7 +160,8 @@ def _build_parser() -> _Parser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.add_parser("version", help="print the version")
     commands.add_parser(
-        "bench", help="run the benchmark suite (options: --quick, --json; see bench --help)"
+        "bench",
+        help="run the benchmark suite (options: --quick, --json, --one-core; see bench --help)",
     )
 
     keygen = commands.add_parser("keygen", help="create or inspect TLS certificates")

@@ -1,0 +1,216 @@
+//! Engine benchmarks without Python: `cargo bench -p keyop-core`.
+//!
+//! The message is the one `keyop-messenger bench` publishes (a 4-field
+//! reading, about 200 bytes as a record). Stores live in temporary
+//! directories; the append benchmarks open a fresh store for every sample,
+//! outside the timed loop, so the data written stays bounded. Filter with a
+//! name, e.g. `cargo bench -p keyop-core -- append/`.
+
+use std::hint::black_box;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use keyop_core::engine::encode_message;
+use keyop_core::envelope::{encode_record, format_ts, new_id, Header};
+use keyop_core::federation::wire::{push_record, split_batch};
+use keyop_core::storage::Item;
+use keyop_core::{read_channel, Engine, Envelope, Outgoing, StoreConfig};
+use tempfile::TempDir;
+
+const CHANNEL: &str = "bench";
+const ORIGIN: &str = "bench";
+const PAYLOAD_TYPE: &str = "bench.Reading";
+const PAYLOAD: &[u8] = br#"{"sensor":"t-17","celsius":21.5,"seq":0,"ok":true}"#;
+const SEGMENT_BYTES: u64 = 64 * 1024 * 1024;
+/// Records in the channel the reader benchmarks scan.
+const SCAN_RECORDS: usize = 10_000;
+/// Records in a federation batch.
+const BATCH: usize = 100;
+
+fn outgoing() -> Outgoing<'static> {
+    Outgoing {
+        payload_type: PAYLOAD_TYPE,
+        payload_json: PAYLOAD,
+        service_name: None,
+        correlation_id: None,
+    }
+}
+
+/// `n` records of the typical message, each with its `\n`.
+fn records(n: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        encode_message(&mut out, ORIGIN, CHANNEL, &outgoing()).expect("encode");
+    }
+    out
+}
+
+fn open(data_dir: &Path, sync_interval_ms: u64) -> Engine {
+    let cfg = StoreConfig {
+        data_dir: data_dir.to_owned(),
+        sync_interval_ms,
+        segment_bytes: SEGMENT_BYTES,
+    };
+    Engine::open(cfg, ORIGIN).expect("open engine")
+}
+
+fn envelope(c: &mut Criterion) {
+    let mut g = c.benchmark_group("envelope");
+    g.throughput(Throughput::Elements(1));
+    let id = new_id();
+    let ts = format_ts(SystemTime::now());
+    let header = Header {
+        id: &id,
+        ts: &ts,
+        channel: CHANNEL,
+        origin: ORIGIN,
+        payload_type: PAYLOAD_TYPE,
+        correlation_id: None,
+        service_name: None,
+    };
+    let mut out = Vec::with_capacity(512);
+    // The record alone: header fields escaped, payload copied.
+    g.bench_function("encode_record", |b| {
+        b.iter(|| {
+            out.clear();
+            encode_record(&mut out, black_box(&header), black_box(PAYLOAD));
+            out.len()
+        })
+    });
+    // What a publish pays before the append: a new UUIDv7, a timestamp, the record.
+    g.bench_function("encode_message", |b| {
+        b.iter(|| {
+            out.clear();
+            encode_message(&mut out, ORIGIN, CHANNEL, black_box(&outgoing())).expect("encode")
+        })
+    });
+    let line = records(1);
+    let line = &line[..line.len() - 1];
+    g.bench_function("decode", |b| {
+        b.iter(|| Envelope::decode(black_box(line)).expect("decode"))
+    });
+    g.finish();
+}
+
+/// Times `iters` appends of `records` (`count` records each) to a new store.
+fn timed_appends(sync_interval_ms: u64, records: &[u8], count: u64, iters: u64) -> Duration {
+    let dir = TempDir::new().expect("temp dir");
+    let engine = open(dir.path(), sync_interval_ms);
+    let writer = engine.publish_writer(CHANNEL).expect("channel writer");
+    let started = Instant::now();
+    for _ in 0..iters {
+        black_box(writer.append(records, count).expect("append"));
+    }
+    let took = started.elapsed();
+    engine.close();
+    took
+}
+
+fn append(c: &mut Criterion) {
+    let one = records(1);
+    let batch = records(BATCH);
+    let mut g = c.benchmark_group("append");
+    // Relaxed: the append returns after the write; a timer fdatasyncs every 200 ms.
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("relaxed/1", |b| {
+        b.iter_custom(|iters| timed_appends(200, &one, 1, iters))
+    });
+    g.throughput(Throughput::Elements(BATCH as u64));
+    g.bench_function(format!("relaxed/{BATCH}"), |b| {
+        b.iter_custom(|iters| timed_appends(200, &batch, BATCH as u64, iters))
+    });
+    // Durable, one thread: every append waits for its fdatasync (the disk's pace).
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("durable/1", |b| {
+        b.iter_custom(|iters| timed_appends(0, &one, 1, iters))
+    });
+    g.finish();
+}
+
+/// Reads the whole channel, optionally decoding each record; returns the count.
+fn scan(data_dir: &Path, decode: bool) -> usize {
+    let mut reader = read_channel(data_dir, CHANNEL, 0).expect("reader");
+    let mut n = 0;
+    while let Some(item) = reader.next_item(u64::MAX).expect("read") {
+        if let Item::Record { line, .. } = item {
+            if decode {
+                black_box(Envelope::decode(&line).expect("decode"));
+            }
+            n += 1;
+        }
+    }
+    assert_eq!(n, SCAN_RECORDS);
+    n
+}
+
+fn reader(c: &mut Criterion) {
+    let dir = TempDir::new().expect("temp dir");
+    let engine = open(dir.path(), 0);
+    let writer = engine.publish_writer(CHANNEL).expect("channel writer");
+    writer
+        .append(&records(SCAN_RECORDS), SCAN_RECORDS as u64)
+        .expect("append");
+    engine.close();
+    // The segment is in the page cache: these measure the reader, not the disk.
+    let mut g = c.benchmark_group("reader");
+    g.throughput(Throughput::Elements(SCAN_RECORDS as u64));
+    g.bench_function(format!("scan/{SCAN_RECORDS}"), |b| {
+        b.iter(|| scan(dir.path(), false))
+    });
+    g.bench_function(format!("scan_decode/{SCAN_RECORDS}"), |b| {
+        b.iter(|| scan(dir.path(), true))
+    });
+    g.finish();
+}
+
+fn wire(c: &mut Criterion) {
+    let stored = records(BATCH);
+    let lines: Vec<&[u8]> = stored
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+        .collect();
+    let mut g = c.benchmark_group("wire");
+    g.throughput(Throughput::Elements(BATCH as u64));
+    let mut body = Vec::with_capacity(stored.len() + 4 * BATCH);
+    // The body of one binary batch message: length-prefixed records.
+    g.bench_function(format!("encode_batch/{BATCH}"), |b| {
+        b.iter(|| {
+            body.clear();
+            for line in &lines {
+                push_record(&mut body, black_box(line));
+            }
+            body.len()
+        })
+    });
+    // What a receiver does with it before the append: split and decode each record.
+    let mut frame = Vec::new();
+    for line in &lines {
+        push_record(&mut frame, line);
+    }
+    g.bench_function(format!("decode_batch/{BATCH}"), |b| {
+        b.iter(|| {
+            let records = split_batch(black_box(&frame)).expect("whole records");
+            for record in records {
+                black_box(Envelope::decode(record).expect("decode"));
+            }
+        })
+    });
+    g.finish();
+}
+
+fn config() -> Criterion {
+    // Shorter than criterion's defaults (3 s + 5 s) to keep the suite to a
+    // couple of minutes; --warm-up-time and --measurement-time override.
+    Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = envelope, append, reader, wire
+}
+criterion_main!(benches);

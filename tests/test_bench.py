@@ -1,0 +1,101 @@
+"""The measurement helpers of ``keyop-messenger bench``: CPU time per message
+and the one-core comparison (the whole suite runs with ``-m slow``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from keyop_messenger import bench
+from keyop_messenger.bench import Sample, Suite
+
+
+def test_cpu_time_counts_every_thread() -> None:
+    def spin() -> None:
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+
+    clock = bench._Stopwatch()
+    worker = threading.Thread(target=spin)
+    worker.start()
+    worker.join()  # the measuring thread sleeps meanwhile
+    sample = clock.sample(1000)
+    # 0.2 s of CPU spent by the other thread, over 1000 messages.
+    assert sample.cpu_us >= 200
+    assert sample.per_s > 0
+
+
+def test_median_is_taken_per_field() -> None:
+    runs = iter([Sample(10.0, 3.0), Sample(30.0, 1.0), Sample(20.0, 2.0)])
+    assert bench._median(3, lambda: next(runs)) == Sample(20.0, 2.0)
+
+
+def test_one_core_comparison_says_it_needs_two_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda _pid: {3})
+    monkeypatch.setattr(bench, "_run_pinned", lambda *_: pytest.fail("no child on 1 CPU"))
+    suite = Suite(tmp_path, 0.1, 1)
+    bench.one_core_comparison(suite, quick=True)
+    assert suite.results == {"one_core_skipped": "skipped: needs >= 2 CPUs; this process may use 1"}
+    assert suite.rows == [("one-core comparison", "-", suite.results["one_core_skipped"])]
+
+
+def test_one_core_comparison_reports_ratios_and_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda _pid: {5, 2, 7})
+    pinned: list[list[int]] = []
+
+    def fake_run_pinned(cpus: list[int], quick: bool) -> dict[str, Sample]:
+        pinned.append(cpus)
+        per_s = 1000.0 if len(cpus) == 2 else 600.0
+        figures = {key: Sample(per_s, 1.0) for key in bench.ONE_CORE_CASES}
+        if len(cpus) == 1:
+            figures["subscribe_relaxed"] = Sample(400.0, 1.0)
+        return figures
+
+    monkeypatch.setattr(bench, "_run_pinned", fake_run_pinned)
+    suite = Suite(tmp_path, 0.1, 1)
+    bench.one_core_comparison(suite, quick=True)
+    assert pinned == [[2, 5], [2]]
+    r = suite.results
+    assert (r["one_core_cpus"], r["two_core_cpus"]) == ("2", "2,5")
+    assert r["one_core_publish_relaxed_per_s"] == 600.0
+    assert r["two_core_publish_relaxed_per_s"] == 1000.0
+    assert r["one_core_ratio_publish_relaxed"] == 0.6
+    assert r["one_core_ratio_subscribe_relaxed"] == 0.4
+    assert r["one_core_target_met"] is False
+    verdicts = {label: ratio.rsplit(": ", 1)[1] for label, _, ratio in suite.rows}
+    assert verdicts["1 core: relaxed publish"] == "met"
+    assert verdicts["1 core: subscribe -> no-op handler"] == "MISSED"
+
+
+@pytest.mark.slow
+def test_quick_bench_prints_every_figure() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "keyop_messenger.bench", "--quick", "--json", "--one-core"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    for key in (
+        "publish_relaxed_per_s",
+        "cpu_us_per_publish_relaxed",
+        "cpu_us_per_publish_durable",
+        "cpu_us_per_delivery",
+    ):
+        assert results[key] > 0, key
+    if "one_core_skipped" not in results:
+        for key in bench.ONE_CORE_CASES:
+            assert results[f"one_core_ratio_{key}"] > 0, key
+        assert isinstance(results["one_core_target_met"], bool)
