@@ -99,3 +99,12 @@ def test_quick_bench_prints_every_figure() -> None:
         for key in bench.ONE_CORE_CASES:
             assert results[f"one_core_ratio_{key}"] > 0, key
         assert isinstance(results["one_core_target_met"], bool)
+
+
+def test_idle_memory_probes_measure_each_kind(tmp_path: Path) -> None:
+    """The footprint probes start a local messenger, a 2-hub client and a hub
+    whose 10 peers really connect, each in a child process that ends."""
+    rss = bench.rss_idle_mb(tmp_path, peers=10)
+    assert set(rss) == {"local", "client", "hub"}
+    for kind, mb in rss.items():
+        assert 0 < mb < 500, f"{kind}: {mb} MB above the interpreter is not a plausible reading"

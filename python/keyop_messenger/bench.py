@@ -354,34 +354,97 @@ def _deliver_backlog(m: Any, n: int) -> Sample:
     return delivered
 
 
-def rss_idle_client_mb() -> float:
-    """Resident memory of an idle client with 2 hubs configured, above a bare
-    interpreter (measured in child processes)."""
-    probe = (
-        "import sys, re\n"
-        "def rss():\n"
-        "    return int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"
-        "if sys.argv[1] == 'bare':\n"
-        "    print(rss()); raise SystemExit\n"
-        "import tempfile, time, keyop_messenger as km\n"
-        "from keyop_messenger import cli\n"
-        "d = tempfile.mkdtemp()\n"
-        "import contextlib, io\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    cli.main(['keygen','ca','--out-cert',d+'/ca.crt','--out-key',d+'/ca.key'])\n"
-        "    cli.main(['keygen','instance','--ca',d+'/ca.crt','--ca-key',d+'/ca.key','--name','c',"
-        "'--out-cert',d+'/c.crt','--out-key',d+'/c.key'])\n"
-        "cfg = km.Config.from_dict({'name':'c','storage':{'data_dir':d+'/data'},"
-        "'client':{'enabled':True,'hubs':[{'addr':'127.0.0.1:9','publish':['a']},"
-        "{'addr':'127.0.0.1:9','publish':['b']}]},"
-        "'tls':{'cert':d+'/c.crt','key':d+'/c.key','ca':d+'/ca.crt'}})\n"
-        "m = km.Messenger(cfg); m.publish('a','t',{}); time.sleep(1.0); print(rss()); m.close()\n"
-    )
-    bare = int(subprocess.run([sys.executable, "-c", probe, "bare"], capture_output=True,
-                              text=True, check=True).stdout.split()[-1])
-    client = int(subprocess.run([sys.executable, "-c", probe, "client"], capture_output=True,
-                                text=True, check=True, timeout=60).stdout.split()[-1])
-    return (client - bare) / 1024
+#: The child process of :func:`rss_idle_mb`: prints its resident memory (kB)
+#: once idle. argv: kind (bare, local, client, hub), pki dir, data dir, peers.
+_RSS_PROBE = """
+import re, sys, time
+def rss():
+    return int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read())[1])
+kind, pki, data, peers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if kind == 'bare':
+    print(rss(), flush=True); raise SystemExit
+import keyop_messenger as km
+doc = {'name': 'probe', 'storage': {'data_dir': data}}
+tls = {'cert': pki + '/probe.crt', 'key': pki + '/probe.key', 'ca': pki + '/ca.crt'}
+if kind == 'client':
+    doc.update(tls=tls, client={'enabled': True, 'hubs': [
+        {'addr': '127.0.0.1:9', 'publish': ['a']}, {'addr': '127.0.0.1:9', 'publish': ['b']}]})
+elif kind == 'hub':
+    doc.update(tls=tls, hub={'enabled': True, 'listen_addr': '127.0.0.1:0',
+        'allowed_peers': [{'name': f'peer{i}'} for i in range(peers)]})
+m = km.Messenger(km.Config.from_dict(doc))
+m.publish('a', 't', {})
+if kind == 'hub':
+    print(m.hub_address[1], flush=True)
+    deadline = time.monotonic() + 30
+    while len((m.federation_status()['hub'] or {}).get('peers') or []) < peers:
+        if time.monotonic() > deadline:
+            raise SystemExit('peers did not connect')
+        time.sleep(0.05)
+time.sleep(1.0)
+print(rss(), flush=True)
+sys.stdin.read()
+m.close()
+"""
+
+#: The peers of the hub probe: ephemeral clients that connect and stay idle.
+_PEERS = """
+import sys, keyop_messenger as km
+pki, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+clients = []
+for i in range(n):
+    cfg = km.Config.from_dict({'name': f'peer{i}', 'storage': {'data_dir': pki + '/unused'},
+        'client': {'hubs': [{'addr': '127.0.0.1:' + port}]},
+        'tls': {'cert': f'{pki}/peer{i}.crt', 'key': f'{pki}/peer{i}.key', 'ca': pki + '/ca.crt'}})
+    clients.append(km.EphemeralMessenger(cfg).__enter__())
+print('connected', flush=True)
+sys.stdin.read()
+for c in clients:
+    c.close()
+"""
+
+
+def rss_idle_mb(root: Path, peers: int = 10) -> dict[str, float]:
+    """Resident memory (MB) above a bare interpreter of idle messengers, each
+    in its own child process: local only, a client with 2 hubs configured
+    (none reachable, so it keeps redialling), and a hub with ``peers``
+    connected peers (ephemeral clients in another process)."""
+    from . import _core
+
+    pki = root / "rss-pki"
+    pki.mkdir(exist_ok=True)
+    ca, ca_key = pki / "ca.crt", pki / "ca.key"
+    _core.keygen_ca(ca, ca_key)
+    for name in ["probe", *(f"peer{i}" for i in range(peers))]:
+        _core.keygen_instance(ca, ca_key, name, pki / f"{name}.crt", pki / f"{name}.key",
+                              sans=["127.0.0.1"])
+
+    def start(script: str, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+
+    def probe(kind: str) -> int:
+        child = start(_RSS_PROBE, kind, str(pki), str(root / f"rss-{kind}"), str(peers))
+        assert child.stdout is not None and child.stdin is not None
+        peer_proc = None
+        try:
+            if kind == "hub":
+                port = child.stdout.readline().strip()
+                peer_proc = start(_PEERS, str(pki), port, str(peers))
+                assert peer_proc.stdout is not None
+                if peer_proc.stdout.readline().strip() != "connected":
+                    raise RuntimeError("the hub's peers did not connect")
+            line = child.stdout.readline().strip()
+            if not line.isdigit():
+                raise RuntimeError(f"the {kind} memory probe failed")
+            return int(line)
+        finally:
+            for proc in (peer_proc, child):
+                if proc is not None:
+                    proc.communicate(timeout=60)
+
+    bare = probe("bare")
+    return {kind: (probe(kind) - bare) / 1024 for kind in ("local", "client", "hub")}
 
 
 #: Throughput figures that ``--one-core`` measures again pinned to one CPU
@@ -509,9 +572,13 @@ def run(
         suite.record("federated_rtt_p50_us", p50, "federated round trip p50 (us)",
                      f"{p50 / echo_p50:.1f} x TLS echo; target < 1000")
         suite.record("federated_rtt_p99_us", p99, "federated round trip p99 (us)")
-        rss = rss_idle_client_mb()
-        suite.record("rss_idle_client_mb", rss, "RSS of an idle 2-hub client (MB)",
-                     "above the interpreter; target < 20")
+        rss = rss_idle_mb(Path(d))
+        suite.record("rss_idle_local_mb", rss["local"], "RSS of an idle local messenger (MB)",
+                     "above the interpreter", decimals=1)
+        suite.record("rss_idle_client_mb", rss["client"], "RSS of an idle 2-hub client (MB)",
+                     "above the interpreter; target < 20", decimals=1)
+        suite.record("rss_idle_hub_10_peers_mb", rss["hub"],
+                     "RSS of an idle hub, 10 peers (MB)", "above the interpreter", decimals=1)
         # CPU per message, from the timed loops above (process CPU, every thread).
         suite.value("cpu_us_per_raw_fdatasync", raw.cpu_us, decimals=1)
         suite.record("cpu_us_per_publish_durable", durable[1].cpu_us,
