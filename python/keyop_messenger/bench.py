@@ -163,7 +163,15 @@ class Suite:
 
     def publish_relaxed(self) -> Sample:
         with self.messenger(200) as m:
-            return _rate(self.seconds, lambda: (m.publish("bench", TYPE, PAYLOAD), 1)[1])
+            publish = m.publish
+
+            def burst() -> int:
+                # A plain loop of publishes; the clock is read once per 1000.
+                for _ in range(1000):
+                    publish("bench", TYPE, PAYLOAD)
+                return 1000
+
+            return _rate(self.seconds, burst)
 
     def subscribe_relaxed(self, n: int) -> Sample:
         """Delivery rate of ``n`` stored messages into a no-op handler."""
