@@ -430,16 +430,7 @@ impl ChannelWriter {
         let spare_groups = std::mem::take(&mut st.spare_groups);
         let buf = std::mem::replace(&mut st.pending, spare);
         let groups = std::mem::replace(&mut st.groups, spare_groups);
-        let next = match st.used_slot.take() {
-            Some(mut used) => match Arc::get_mut(&mut used) {
-                Some(free) => {
-                    free.outcome.take();
-                    used
-                }
-                None => Arc::default(),
-            },
-            None => Arc::default(),
-        };
+        let next = Self::fresh_slot(&mut st);
         let slot = std::mem::replace(&mut st.slot, next);
         let mut active = st
             .active
@@ -497,6 +488,18 @@ impl ChannelWriter {
             self.done.notify_all();
         }
         st
+    }
+
+    /// A slot for the next batch: the last finished one when nobody holds it
+    /// any more (no allocation per batch), else a new one.
+    fn fresh_slot(st: &mut State) -> Arc<Slot> {
+        if let Some(mut used) = st.used_slot.take() {
+            if let Some(free) = Arc::get_mut(&mut used) {
+                free.outcome.take();
+                return used;
+            }
+        }
+        Arc::default()
     }
 
     fn take_fault(&self, want: fn(&FaultPoint) -> bool) -> Option<FaultPoint> {
@@ -717,16 +720,7 @@ impl ChannelWriter {
         }
         // Appends queued behind a closed writer fail rather than hang.
         if !st.pending.is_empty() {
-            let next = match st.used_slot.take() {
-                Some(mut used) => match Arc::get_mut(&mut used) {
-                    Some(free) => {
-                        free.outcome.take();
-                        used
-                    }
-                    None => Arc::default(),
-                },
-                None => Arc::default(),
-            };
+            let next = Self::fresh_slot(&mut st);
             let slot = std::mem::replace(&mut st.slot, next);
             st.pending.clear();
             st.groups.clear();
