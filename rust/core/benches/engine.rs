@@ -126,7 +126,37 @@ fn append(c: &mut Criterion) {
     g.bench_function("durable/1", |b| {
         b.iter_custom(|iters| timed_appends(0, &one, 1, iters))
     });
+    // Durable, 16 threads appending one record each: group commit shares one
+    // fdatasync among whoever is waiting (no GIL here, unlike from Python).
+    g.throughput(Throughput::Elements(THREADS));
+    g.bench_function(format!("durable/{THREADS}_threads"), |b| {
+        b.iter_custom(|iters| timed_threaded_appends(&one, iters))
+    });
     g.finish();
+}
+
+/// Threads of the group-commit benchmark.
+const THREADS: u64 = 16;
+
+/// Times `iters` rounds in which each of [`THREADS`] threads appends one
+/// record (durable), all threads running at once.
+fn timed_threaded_appends(record: &[u8], iters: u64) -> Duration {
+    let dir = TempDir::new().expect("temp dir");
+    let engine = open(dir.path(), 0);
+    let writer = engine.publish_writer(CHANNEL).expect("channel writer");
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..THREADS {
+            s.spawn(|| {
+                for _ in 0..iters {
+                    black_box(writer.append(record, 1).expect("append"));
+                }
+            });
+        }
+    });
+    let took = started.elapsed();
+    engine.close();
+    took
 }
 
 /// Reads the whole channel, optionally decoding each record; returns the count.
