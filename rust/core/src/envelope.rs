@@ -420,6 +420,7 @@ pub struct Envelope {
     pub payload_type: String,
     pub correlation_id: Option<String>,
     pub service_name: Option<String>,
+    /// Never holds a raw `\n` or `\r` when decoded.
     pub payload: Box<RawValue>,
 }
 
@@ -448,7 +449,8 @@ impl Envelope {
     /// Decodes one line (without its `\n`) with the reader rules of
     /// keyop-messenger 1.4: unknown keys are ignored, `v` must be the integer 1,
     /// `ts` must parse as RFC 3339, missing strings are empty, a missing
-    /// payload is `null`.
+    /// payload is `null`. Line breaks between the payload's JSON tokens become
+    /// spaces, so [`Envelope::encode`] always makes one line.
     pub fn decode(line: &[u8]) -> Result<Envelope, DecodeError> {
         // One UTF-8 check of the whole line is much cheaper than one per
         // string; a line with stray non-UTF-8 bytes gets the per-string rules.
@@ -467,6 +469,14 @@ impl Envelope {
         let ts_nanos =
             parse_ts_nanos(&w.ts).ok_or_else(|| DecodeError::Timestamp(w.ts.to_string()))?;
         let payload = match w.payload {
+            // A raw line break in valid JSON can only be whitespace between
+            // tokens (strings hold them escaped). Kept, it would split the
+            // record `encode` makes of this envelope into several lines, so
+            // it becomes a space.
+            Some(p) if memchr::memchr2(b'\n', b'\r', p.get().as_bytes()).is_some() => {
+                RawValue::from_string(p.get().replace(['\n', '\r'], " "))
+                    .expect("whitespace replaced by whitespace is still JSON")
+            }
             Some(p) => p,
             None => RawValue::from_string("null".into()).expect("null is JSON"),
         };

@@ -351,6 +351,38 @@ proptest! {
     }
 }
 
+/// Found by the `envelope` fuzz target: raw line breaks between the payload's
+/// JSON tokens were kept by `decode`, so `encode` (which a hub uses to store
+/// a received record holding `\n` or `\r`) made a record of several lines.
+#[test]
+fn line_breaks_between_payload_tokens_do_not_split_the_record() {
+    let ts = "2026-03-31T14:22:01Z";
+    for (raw, want) in [
+        ("[1,\n2]", "[1, 2]"),
+        ("{\"a\":\r\n[\ntrue ]\r}", "{\"a\":  [ true ] }"),
+        ("\"x\\ny\"", "\"x\\ny\""),
+    ] {
+        let line = format!("{{\"v\":1,\"id\":\"i\",\"ts\":\"{ts}\",\"payload\":{raw}\r\n}}");
+        let env = Envelope::decode(line.as_bytes()).expect("valid JSON");
+        assert_eq!(env.payload.get(), want);
+        let record = env.encode();
+        assert_eq!(record.iter().filter(|&&b| b == b'\n').count(), 1);
+        assert!(!record.contains(&b'\r'));
+        assert_eq!(record.last(), Some(&b'\n'));
+        let again = Envelope::decode(&record[..record.len() - 1]).expect("re-decode");
+        assert_eq!(again.payload.get(), want);
+        assert_eq!(
+            serde_json::from_str::<Value>(want).unwrap(),
+            serde_json::from_str::<Value>(raw).unwrap()
+        );
+    }
+    // A raw line break inside a JSON string is not JSON at all.
+    assert!(Envelope::decode(
+        format!("{{\"v\":1,\"ts\":\"{ts}\",\"payload\":\"a\nb\"}}").as_bytes()
+    )
+    .is_err());
+}
+
 // ---------------------------------------------------------------------------
 // Torn-tail recovery
 // ---------------------------------------------------------------------------
