@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -326,3 +327,32 @@ def test_reads_go_dead_letter_records(tmp_path: Path) -> None:
         with pytest.raises(InvalidNameError):
             m.publish("orders.dead-letter", "t", {})
     assert segment.read_bytes() == GO_DEAD_LETTER.encode() + b"\n"
+
+
+def test_lone_surrogate_escapes_and_array_lines_as_go_reads_them(tmp_path: Path) -> None:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"); such a payload is
+    read (as Python's json module reads it), also by a subscriber. A line
+    holding a JSON array instead of an object is skipped, as 1.4 skips it."""
+    data_dir = tmp_path / "data"
+    channel = data_dir / "channels" / "odd"
+    channel.mkdir(parents=True)
+    good = ('{"v":1,"id":"a","ts":"2026-03-31T14:22:01Z","channel":"odd","origin":"go",'
+            '"payload_type":"t","payload":{"text":"\\ud800 half","n":1}}')
+    array = '[1,"b","2026-03-31T14:22:01Z","odd","go","t",null,null,{}]'
+    (channel / segment_name(0)).write_text(f"{array}\n{good}\n")
+
+    [entry] = list(read_channel(data_dir, "odd"))
+    assert entry.message.id == "a", "the array line is not an envelope"
+    assert entry.message.payload == {"text": "\ud800 half", "n": 1}
+
+    (data_dir / "subscribers" / "odd").mkdir(parents=True)
+    (data_dir / "subscribers" / "odd" / "s.offset").write_text("0\n")
+    got: list[Any] = []
+    with Messenger(make_config(tmp_path)) as m:
+        sub = m.subscribe("odd", "s", lambda msg: got.append(msg.payload))
+        for _ in range(200):
+            if got:
+                break
+            time.sleep(0.01)
+        sub.close()
+    assert got == [{"text": "\ud800 half", "n": 1}], "delivered once, surrogate kept"

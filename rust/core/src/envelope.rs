@@ -454,6 +454,13 @@ impl Envelope {
     pub fn decode(line: &[u8]) -> Result<Envelope, DecodeError> {
         // One UTF-8 check of the whole line is much cheaper than one per
         // string; a line with stray non-UTF-8 bytes gets the per-string rules.
+        // A JSON array would fill the fields by position (serde accepts both
+        // forms for a struct); 1.4 readers accept objects only.
+        if line.trim_ascii_start().first() != Some(&b'{') {
+            return Err(DecodeError::Json(serde::de::Error::custom(
+                "an envelope must be a JSON object",
+            )));
+        }
         let w: Wire<'_> = match std::str::from_utf8(line) {
             Ok(text) => serde_json::from_str(text)?,
             Err(_) => serde_json::from_slice(line)?,
@@ -718,6 +725,12 @@ mod tests {
         assert!(Envelope::decode(br#"{"v":1.0,"ts":"2026-03-31T14:22:01Z"}"#).is_err());
         assert!(Envelope::decode(br#"{"ts":"2026-03-31T14:22:01Z"}"#).is_err());
         assert!(Envelope::decode(br#"{"v":1,"ts":"2026-13-31T14:22:01Z"}"#).is_err());
+        // The array form serde would accept for a struct is not an envelope.
+        assert!(
+            Envelope::decode(br#"[1,"id","2026-03-31T14:22:01Z","ch","o","t",null,null,{}]"#)
+                .is_err()
+        );
+        assert!(Envelope::decode(br#"  {"v":1,"ts":"2026-03-31T14:22:01Z"}"#).is_ok());
         let e = Envelope::decode(br#"{"v":1,"ts":"2026-03-31T14:22:01Z","future":[1],"id":"x"}"#)
             .unwrap();
         assert_eq!(e.id, "x");

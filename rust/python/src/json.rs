@@ -181,14 +181,22 @@ impl PyDecoder {
             return py.import("json")?.call_method1("loads", (text,));
         }
         let mut de = serde_json::Deserializer::from_str(text);
-        let value = ValueSeed {
+        let parsed = ValueSeed {
             py,
             keys: &mut self.keys,
         }
         .deserialize(&mut de)
-        .and_then(|v| de.end().map(|()| v))
-        .map_err(|e| type_err(py, format!("payload is not valid JSON: {e}")))?;
-        Ok(value)
+        .and_then(|v| de.end().map(|()| v));
+        match parsed {
+            Ok(value) => Ok(value),
+            // JSON text may escape lone UTF-16 surrogates ("\ud800"), which
+            // Rust strings cannot hold and Python's parser turns into str.
+            Err(e) if text.contains("\\u") => py
+                .import("json")?
+                .call_method1("loads", (text,))
+                .map_err(|_| type_err(py, format!("payload is not valid JSON: {e}"))),
+            Err(e) => Err(type_err(py, format!("payload is not valid JSON: {e}"))),
+        }
     }
 }
 
