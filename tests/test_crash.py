@@ -274,20 +274,22 @@ def crash_subscribed_and_recover(tmp_path: Path, kind: str, seed: str) -> None:
     assert not list(sub_dir.glob("*.tmp")), "no temporary offset file is left after a clean close"
 
 
+def kill_point(tmp_path: Path, kind: str, seed: str) -> None:
+    """One kill point of ``kind``: a publishing child, or one with subscribers."""
+    if kind in MODES:
+        crash_and_recover(tmp_path, kind, seed=seed)
+    else:
+        crash_subscribed_and_recover(tmp_path, kind, seed=seed)
+
+
 @pytest.mark.parametrize("round_", range(5))
 @pytest.mark.parametrize("kind", KINDS)
 def test_kill_loses_no_acknowledged_message(tmp_path: Path, kind: str, round_: int) -> None:
-    if kind in MODES:
-        crash_and_recover(tmp_path, kind, seed=f"{kind}-{round_}")
-    else:
-        crash_subscribed_and_recover(tmp_path, kind, seed=f"{kind}-{round_}")
+    kill_point(tmp_path, kind, seed=f"{kind}-{round_}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("round_", range(50))
 @pytest.mark.parametrize("kind", KINDS)
 def test_kill_many_rounds(tmp_path: Path, kind: str, round_: int) -> None:
-    if kind in MODES:
-        crash_and_recover(tmp_path, kind, seed=f"slow-{kind}-{round_}")
-    else:
-        crash_subscribed_and_recover(tmp_path, kind, seed=f"slow-{kind}-{round_}")
+    kill_point(tmp_path, kind, seed=f"slow-{kind}-{round_}")
