@@ -136,6 +136,23 @@ class Suite:
         finally:
             os.close(fd)
 
+    def raw_write(self) -> Sample:
+        """The floor under relaxed publish: a Python loop of 200-byte writes."""
+        record = b"x" * 199 + b"\n"
+        path = self.root / "raw-write.probe"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+
+            def burst() -> int:
+                for _ in range(1000):
+                    os.write(fd, record)
+                return 1000
+
+            return _rate(self.seconds, burst)
+        finally:
+            os.close(fd)
+            path.unlink()
+
     def publish_threads(self, threads: int) -> Sample:
         with self.messenger(0) as m:
             counts = [0] * threads
@@ -558,9 +575,12 @@ def run(
         for size, rate in batch.items():
             suite.record(f"publish_batch_{size}_durable_per_s", rate.per_s,
                          f"durable publish_batch({size})", f"{rate.per_s / raw.per_s:.0f} x raw")
+        raw_write = _median(runs, suite.raw_write)
+        suite.record("raw_write_per_s", raw_write.per_s, "raw write loop from Python (200 B)",
+                     "the floor under relaxed publish")
         relaxed = _median(runs, suite.publish_relaxed)
         suite.record("publish_relaxed_per_s", relaxed.per_s, "relaxed publish (sync 200 ms)",
-                     "target >= 250,000")
+                     f"{relaxed.per_s / raw_write.per_s:.2f} x raw write; target >= 250,000")
         sub = _median(runs, lambda: suite.subscribe_relaxed(n))
         suite.record("subscribe_relaxed_per_s", sub.per_s, "subscribe -> no-op handler",
                      "target >= 300,000")
