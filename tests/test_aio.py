@@ -346,6 +346,37 @@ def test_closed_event_loop_leaves_the_message_unacknowledged(tmp_path: Path) -> 
         assert got == [msg_id], "delivered again on the next subscribe"
 
 
+def test_subscription_stopped_by_its_loop_ending_frees_its_id(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+
+    async def main() -> tuple[AsyncMessenger, AsyncSubscription]:
+        m = AsyncMessenger(config)
+        await m.open()
+        return m, await m.subscribe("c", "s", _noop)  # the loop ends without close()
+
+    am, sub = asyncio.run(main())
+    sync = am.messenger
+    try:
+        msg_id = sync.publish("c", "t", "after the loop")
+        deadline = time.monotonic() + WAIT_S
+        while sub.active:
+            assert time.monotonic() < deadline, "the subscription kept running"
+            time.sleep(0.02)
+        got: list[str] = []
+        event = threading.Event()
+
+        def handler(msg: Message) -> None:
+            got.append(msg.id)
+            event.set()
+
+        # Same messenger, same id: the stopped subscription must not keep it registered.
+        sync.subscribe("c", "s", handler)
+        assert event.wait(WAIT_S), "the new subscription of the same id got nothing"
+        assert got == [msg_id]
+    finally:
+        sync.close()
+
+
 def test_loop_ending_mid_handler_neither_acknowledges_nor_dead_letters(tmp_path: Path) -> None:
     config = make_config(tmp_path, max_retries=0)  # a failure would dead-letter at once
     started = threading.Event()

@@ -360,6 +360,15 @@ def test_star_without_echo_or_loops(pki: PKI, tmp_path: Path, start: Starter, mo
         mine = [m.id for m in stored(dirs[node.name], "chat") if m.origin == node.name]
         assert mine == [i for i in sent if i in set(mine)], "own messages in publish order"
 
+        # Loops are prevented by construction, not by the hub's seen-id set: a
+        # client forwards only what it published, never what it received.
+        def forwarded(d: Path = dirs[node.name]) -> set[str]:
+            return {r["message_id"] for r in audit_events(d, "forward", direction="outbound")}
+
+        own = set(mine)
+        wait_until(lambda o=own: forwarded() >= o, f"{node.name}'s forwards to be audited")
+        assert forwarded() == own, f"{node.name} forwarded messages it only received"
+
 
 # ---------------------------------------------------------------------------
 # 7. Audit log format
@@ -412,6 +421,16 @@ def test_audit_log_format(pki: PKI, tmp_path: Path, start: Starter) -> None:
     assert audit_events(node_dir, "peer_connected", peer_addr=addr)
     (received,) = audit_events(node_dir, "forward", direction="inbound")
     assert (received["message_id"], received["channel"], received["peer"]) == (cmd, "cmds", addr)
+
+    # Outbound forwards are audited too (the original audited inbound ones only).
+    sent = audit_events(node_dir, "forward", direction="outbound")
+    assert [(r["message_id"], r["channel"], r["peer"]) for r in sent] == [
+        (i, "temps", addr) for i in ids
+    ], "the client audits each forward to the hub"
+    out = audit_events(hub_dir, "forward", direction="outbound")
+    assert [(r["message_id"], r["channel"], r["peer"]) for r in out] == [(cmd, "cmds", "node1")], (
+        "the hub audits its forward to the client"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -638,6 +657,11 @@ def test_wire_hub_batches_and_backlog(pki: PKI, tmp_path: Path, start: Starter) 
             got += [json.loads(r)["id"] for r in split_batch(raw.recv_binary())]
             raw.send_text('{"last_id":""}')
         assert got == backlog
+        # An empty last_id (a batch of duplicates only) releases the batch too.
+        wait_until(
+            lambda: read_cursor(fed) == stream_end(hub_dir, "cmds"),
+            "the cursor to pass the batch acknowledged with an empty last_id",
+        )
 
 
 def test_wire_ephemeral_peer_gets_no_cursor(pki: PKI, tmp_path: Path, start: Starter) -> None:
@@ -758,3 +782,74 @@ def test_clients_dial_tls_and_never_plaintext(
 def try_connect(eph: EphemeralMessenger) -> None:
     with contextlib.suppress(KeyopError):
         eph.connect(timeout=WAIT_S)
+
+
+# ---------------------------------------------------------------------------
+# Weak spots 8 and 18: records over max_batch_bytes, batch size cap
+# ---------------------------------------------------------------------------
+
+
+def with_max_batch(cfg: Config, max_batch_bytes: int) -> Config:
+    d = cfg.to_dict()
+    d["federation"]["max_batch_bytes"] = max_batch_bytes
+    return Config.from_dict(d)
+
+
+def test_records_over_max_batch_bytes_are_forwarded_both_ways(
+    pki: PKI, tmp_path: Path, start: Starter
+) -> None:
+    """The original's receiver dropped (and acknowledged) records larger than
+    its max_batch_bytes. Here the limit only sizes batches: a record up to
+    the 10 MiB record limit crosses in both directions, byte for byte."""
+    hub_dir, node_dir = tmp_path / "hub", tmp_path / "node1"
+    hub = start(with_max_batch(hub_config(pki, hub_dir, [peer("node1")]), 1024))
+    client = start(
+        with_max_batch(
+            client_config(
+                pki, node_dir, "node1", hub_port(hub), subscribe=["cmds"], publish=["temps"]
+            ),
+            1024,
+        )
+    )
+    wait_peers(hub, "node1")
+    big = "b" * (64 * 1024)
+    sent = [
+        client.publish("temps", "test.Reading", {"n": 0}),
+        client.publish("temps", "test.Blob", {"blob": big}),
+        client.publish("temps", "test.Reading", {"n": 2}),
+    ]
+    cmd = hub.publish("cmds", "test.Blob", {"blob": big})
+
+    wait_until(lambda: stored_ids(hub_dir, "temps") == sent, "the hub to store all three")
+    assert raw_records(hub_dir, "temps") == raw_records(node_dir, "temps"), (
+        "the record over the hub's max_batch_bytes is stored, byte for byte"
+    )
+    wait_until(lambda: stored_ids(node_dir, "cmds") == [cmd], "the client to store the big one")
+    assert raw_records(node_dir, "cmds") == raw_records(hub_dir, "cmds")
+
+
+def test_wire_hub_batches_stay_within_max_batch_bytes(
+    pki: PKI, tmp_path: Path, start: Starter
+) -> None:
+    """The original's sender could exceed max_batch_bytes by one envelope.
+    Here a batch holds one record, or records whose JSON fits the limit."""
+    limit = 2048
+    hub_dir = tmp_path / "hub"
+    hub = start(with_max_batch(hub_config(pki, hub_dir, [peer("node1")]), limit))
+    with RawPeer(hub_port(hub), pki["node1"], pki.ca) as raw:
+        raw.handshake("node1", subscribe=["cmds"])
+        wait_peers(hub, "node1")
+        items = [("test.Command", {"n": i, "pad": "p" * 300}) for i in range(12)]
+        items.insert(5, ("test.Blob", {"blob": "b" * 8192}))
+        ids = hub.publish_batch("cmds", items)  # one commit: every record is ready at once
+        batches: list[list[bytes]] = []
+        while sum(map(len, batches)) < len(ids):
+            records = split_batch(raw.recv_binary())
+            batches.append(records)
+            raw.send_text(ack(msg_id(records[-1])))
+    assert [msg_id(r) for b in batches for r in b] == ids, "every record, in order"
+    assert any(len(b) > 1 for b in batches), "records were batched"
+    for b in batches:
+        assert len(b) == 1 or sum(len(r) for r in b) <= limit, (
+            f"a batch of {len(b)} records holds {sum(len(r) for r in b)} bytes > {limit}"
+        )

@@ -1016,6 +1016,25 @@ def test_compaction_with_no_offsets_keeps_only_the_active_segment(
     assert tail and tail == ids[-len(tail) :]
 
 
+def test_compaction_covers_channels_not_touched_since_open(
+    open_messenger: Callable[..., Messenger],
+) -> None:
+    first = open_messenger(compaction_threshold_mb=1)
+    ids = _publish_bytes(first, "old", 2 * MIB + MIB // 2, 0)
+    before = segments(first, "old")
+    assert len(before) >= 3
+    first.close()
+
+    m = open_messenger(compaction_threshold_mb=1)  # nothing publishes to or reads "old"
+    report = m.compact()
+    assert segments(m, "old") == [before[-1]], (
+        "a channel on disk is compacted even if this process never touched it"
+    )
+    assert report["old"][0] == len(before) - 1
+    tail = [e.message.id for e in stored(m, "old")]
+    assert tail and tail == ids[-len(tail) :]
+
+
 def test_offset_ttl_removes_stale_offsets_of_unsubscribed_ids(
     open_messenger: Callable[..., Messenger],
 ) -> None:
