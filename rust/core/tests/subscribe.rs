@@ -432,6 +432,33 @@ fn reject_dead_letters_at_once_with_zero_retries() {
     assert_eq!(payload["original"]["payload"]["n"], 0);
 }
 
+/// A dead letter is appended through the dead-letter channel's shared writer,
+/// so readers waiting on that channel (a hub's federation reader serving a
+/// remote subscriber of it) are woken at once.
+#[test]
+fn dead_letter_append_wakes_readers_of_the_dead_letter_channel() {
+    let dir = tempdir();
+    let engine = open_engine(dir.path(), 0);
+    let dl = engine.store().writer(DL).expect("dead-letter writer");
+    let start = dl.committed_end();
+    let waiter = {
+        let dl = dl.clone();
+        thread::spawn(move || dl.notifier().wait_past(start, WAIT))
+    };
+    let rec = Recorder::default();
+    rec.script(0, vec![Action::Reject("poison".into())]);
+    let _sub = subscribe(&engine, "billing", &rec, fast_opts());
+    publish_range(&engine, 0..2);
+    rec.wait_delivered(1);
+
+    let woke_at = waiter.join().expect("waiter thread");
+    assert!(
+        woke_at > start,
+        "a reader waiting on {DL} was not woken by the dead letter (its wait timed out)"
+    );
+    assert_eq!(records(dir.path(), DL).len(), 1);
+}
+
 #[test]
 fn failure_in_the_middle_of_a_batch_keeps_order() {
     let dir = tempdir();
