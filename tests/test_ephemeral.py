@@ -58,6 +58,7 @@ from keyop_messenger import (
     EphemeralMessenger,
     InvalidNameError,
     KeyopError,
+    MessageTooLargeError,
     Messenger,
     PayloadTypeError,
     context,
@@ -864,3 +865,37 @@ def test_concurrent_publishes_deliveries_and_acks_keep_the_stream_intact(
     assert audit_events(hub_dir, "peer_disconnected") == [], (
         "the hub never saw the connection fail (a corrupt frame ends it)"
     )
+
+
+def test_frames_stay_within_the_hubs_message_limit(
+    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
+) -> None:
+    """Weak spot 18 of 1.4: a frame over the hub's WebSocket limit costs the
+    connection and every publish merged into it. A batch that cannot fit one
+    frame is refused before it is sent; concurrent big publishes are merged
+    only up to max_batch_bytes, the rest carried to the next frame, and all
+    are acknowledged."""
+    hub_dir = tmp_path / "hub"
+    hub = hub_for(pki, hub_dir, start)
+    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub)))
+    eph.connect()
+    big = {"b": "x" * (5 * 2**20)}  # three of these exceed one frame's limit
+    with pytest.raises(MessageTooLargeError):
+        eph.publish_batch("temps", [("t", big)] * 3)
+    assert eph.status()["connected"], "the refused batch was never sent"
+
+    # Six 3 MiB publishes at once: merged frames would pass the limit.
+    ids: list[str] = []
+    threads = [
+        threading.Thread(
+            target=lambda: ids.append(eph.publish("temps", "t", {"b": "y" * 3 * 2**20}))
+        )
+        for _ in range(6)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(ids) == 6, "every concurrent publish was acknowledged"
+    assert sorted(stored_ids(hub_dir, "temps")) == sorted(ids)
+    assert eph.status()["reconnects"] == 0, "the connection never dropped"

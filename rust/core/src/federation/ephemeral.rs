@@ -179,6 +179,15 @@ impl EphemeralClient {
         if self.ctx.dead.load(Ordering::Acquire) {
             return Err(self.lost());
         }
+        // A frame over the hub's WebSocket limit would cost the connection
+        // (and every publish merged with it); refuse it here instead.
+        let limit = super::link::max_message_size(self.ctx.cfg.federation.max_batch_bytes);
+        if body.len() > limit {
+            return Err(Error::TooLarge {
+                size: body.len(),
+                limit,
+            });
+        }
         let tx = self
             .queue
             .lock()
@@ -390,8 +399,13 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
     let mut ping = tokio::time::interval(PING_INTERVAL);
     ping.tick().await;
     let max_bytes = ctx.cfg.federation.max_batch_bytes.max(1);
+    // A publish that did not fit the last frame goes first in the next.
+    let mut carried: Option<Pending> = None;
     let why = loop {
-        let first = tokio::select! {
+        let first = if let Some(p) = carried.take() {
+            p
+        } else {
+            tokio::select! {
             r = &mut reader => break r.unwrap_or_else(|e| e.to_string()),
             _ = ctx.cancel.cancelled() => break "closed".to_owned(),
             _ = ping.tick() => {
@@ -404,18 +418,20 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
                 Some(p) => p,
                 None => break "closed".to_owned(),
             },
+            }
         };
-        // Everything queued right now goes in one frame, up to the size limit.
+        // Everything queued right now goes in one frame, up to the size
+        // limit: a publish that would take the frame past it waits for the
+        // next one (a single publish larger than the limit goes alone).
         let mut body = first.body;
         let mut waiting = vec![first.done];
-        while body.len() < max_bytes {
-            match rx.try_recv() {
-                Ok(p) => {
-                    body.extend_from_slice(&p.body);
-                    waiting.push(p.done);
-                }
-                Err(_) => break,
+        while let Ok(p) = rx.try_recv() {
+            if body.len() + p.body.len() > max_bytes {
+                carried = Some(p);
+                break;
             }
+            body.extend_from_slice(&p.body);
+            waiting.push(p.done);
         }
         ctx.status
             .unacked_bytes
