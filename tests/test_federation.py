@@ -176,6 +176,37 @@ def test_offline_catch_up_and_hub_restart(pki: PKI, tmp_path: Path, start: Start
     assert client_status(client)["reconnects"] >= 1
 
 
+def test_forwarding_past_deleted_segments_is_audited_as_a_replay_gap(
+    pki: PKI, tmp_path: Path, start: Starter
+) -> None:
+    """Weak spot 43 of 1.4 (replay_gap never written): when segments still to
+    be forwarded are gone (removed by hand: retention never passes a cursor),
+    the client skips to what remains and writes a replay_gap audit record."""
+    import dataclasses
+
+    port = free_port()
+    node_dir, hub_dir = tmp_path / "node1", tmp_path / "hub"
+    cfg = client_config(pki, node_dir, "node1", port, publish=["temps"])
+    cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage,
+                                                               compaction_threshold_mb=1))
+    client = start(cfg)
+    pad = "x" * 300_000
+    ids = [client.publish("temps", "test.Big", {"n": i, "pad": pad}) for i in range(8)]
+    segments = sorted((node_dir / "channels" / "temps").glob("*.jsonl"))
+    assert len(segments) >= 3, "8 records of 300 kB fill several 1 MiB segments"
+    first = segments[0]
+    lost = len(first.read_bytes().splitlines())
+    first.unlink()
+
+    start(hub_config(pki, hub_dir, [peer("node1")], port=port))
+    assert wait_stored(hub_dir, "temps", len(ids) - lost) == ids[lost:], (
+        "everything still on disk is forwarded, in order"
+    )
+    [gap] = audit_events(node_dir, "replay_gap", channel="temps", direction="outbound")
+    assert gap["detail"] == f"from=0 to={int(segments[1].stem)}", gap
+    assert gap["peer"], gap
+
+
 # ---------------------------------------------------------------------------
 # 3. Hub -> client backlog right after a reconnect
 # ---------------------------------------------------------------------------

@@ -49,6 +49,8 @@ struct Batch {
     body: Vec<u8>,
     ids: Vec<String>,
     end: u64,
+    /// Byte ranges the reader skipped because their segments are gone.
+    gaps: Vec<(u64, u64)>,
 }
 
 impl OutChannel {
@@ -59,13 +61,19 @@ impl OutChannel {
         let mut body = Vec::new();
         let mut ids = Vec::new();
         let mut json_bytes = 0;
+        let mut gaps = Vec::new();
         loop {
             let before = self.reader.position();
             let Some(item) = self.reader.next_item(limit)? else {
                 break;
             };
-            let Item::Record { line, .. } = item else {
-                continue;
+            let line = match item {
+                Item::Record { line, .. } => line,
+                Item::Gap { from, to } => {
+                    gaps.push((from, to));
+                    continue;
+                }
+                Item::Oversize { .. } => continue,
             };
             let Ok(env) = Envelope::decode(&line) else {
                 continue;
@@ -88,6 +96,7 @@ impl OutChannel {
             body,
             ids,
             end: self.reader.position(),
+            gaps,
         })
     }
 }
@@ -329,6 +338,18 @@ where
                     continue;
                 }
             };
+            for &(from, to) in &batch.gaps {
+                log::warn!(
+                    "channel {:?}: bytes {from}..{to} to forward to {peer} are gone (segments deleted); skipped",
+                    ch.channel
+                );
+                let mut ev = AuditEvent::new("replay_gap");
+                ev.channel = ch.channel.clone();
+                ev.direction = "outbound".into();
+                ev.peer = peer.clone();
+                ev.detail = format!("from={from} to={to}");
+                shared.audit.log(ev);
+            }
             if !batch.ids.is_empty() {
                 let sent_at = std::time::Instant::now();
                 if let Some(m) = &metrics {
