@@ -8,6 +8,12 @@
 //! flush runs queue their records for the next batch, so N concurrent
 //! publishers share one fsync instead of paying N.
 //!
+//! Wake-ups are what limit group commit on few cores, so each batch has its
+//! own wait word ([`Slot`]): finishing a batch wakes exactly its callers,
+//! with one futex call, and they read the outcome without taking the
+//! writer's lock. Callers of the next batch sleep on; one of them is asked to
+//! lead it if nobody else does.
+//!
 //! Failure contract: an `Err` from [`ChannelWriter::append`] means the
 //! records were not committed; the file is truncated back to the last
 //! committed byte before the error is returned (a truncation that itself
@@ -18,7 +24,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -192,9 +198,46 @@ struct Outcome {
     error: Option<StorageError>,
 }
 
+/// [`Slot::state`]: the batch is queued or in flight, nobody sleeps yet.
+const PENDING: u32 = 0;
+/// Queued or in flight, and callers may sleep on the word.
+const SLEEPING: u32 = 1;
+/// Still queued after the previous batch finished: a caller should lead it.
+const LEAD: u32 = 2;
+/// Finished: `outcome` is set.
+const DONE: u32 = 3;
+
+/// One batch: its outcome, and the word its callers sleep on.
 #[derive(Default)]
 struct Slot {
     outcome: OnceLock<Outcome>,
+    state: AtomicU32,
+}
+
+impl Slot {
+    /// Marks the batch finished and wakes whoever sleeps on it.
+    fn finish(&self, outcome: Outcome) {
+        let _ = self.outcome.set(outcome);
+        if self.state.swap(DONE, Ordering::AcqRel) != PENDING {
+            atomic_wait::wake_all(&self.state);
+        }
+    }
+
+    /// Asks one caller of this (queued) batch to lead it.
+    fn request_leader(&self) {
+        match self
+            .state
+            .compare_exchange(SLEEPING, LEAD, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => atomic_wait::wake_one(&self.state),
+            Err(PENDING) => {
+                let _ =
+                    self.state
+                        .compare_exchange(PENDING, LEAD, Ordering::AcqRel, Ordering::Acquire);
+            }
+            Err(_) => {}
+        }
+    }
 }
 
 struct State {
@@ -208,13 +251,13 @@ struct State {
     spare: Vec<u8>,
     spare_groups: Vec<(usize, u64)>,
     flushing: bool,
-    /// A leader is waiting for the callers of the previous batch to queue
-    /// again before it flushes (see [`ChannelWriter::gather`]).
-    gathering: bool,
+    /// A leader is waiting until this many append calls are queued before it
+    /// flushes (see [`ChannelWriter::gather`]); 0 when none is.
+    gather_want: usize,
     /// Append calls in the last batch.
     last_groups: usize,
     closed: bool,
-    /// Callers blocked on `done` (so a lone publisher skips the wake-up call).
+    /// Callers blocked on `done` (closing), so a batch wakes them only then.
     waiters: usize,
     active: Option<Active>,
     /// The active file, for the periodic fsync of relaxed mode.
@@ -227,8 +270,9 @@ pub struct ChannelWriter {
     dir: PathBuf,
     cfg: WriterConfig,
     state: Mutex<State>,
+    /// Signalled when a batch ends while `close` waits for it.
     done: Condvar,
-    /// Signalled when an append queues while a leader gathers.
+    /// Signalled when enough appends are queued for a gathering leader.
     arrived: Condvar,
     /// Duration of the last fdatasync, in nanoseconds: bounds a gather.
     last_sync_ns: AtomicU64,
@@ -307,7 +351,7 @@ impl ChannelWriter {
                 spare: Vec::new(),
                 spare_groups: Vec::new(),
                 flushing: false,
-                gathering: false,
+                gather_want: 0,
                 last_groups: 0,
                 closed: false,
                 waiters: 0,
@@ -367,28 +411,53 @@ impl ChannelWriter {
         let pos = st.pending.len();
         st.pending.extend_from_slice(records);
         st.groups.push((records.len(), count));
+        if st.gather_want > 0 && st.groups.len() >= st.gather_want {
+            self.arrived.notify_one();
+        }
         let slot = st.slot.clone();
+        if st.flushing {
+            drop(st);
+        } else {
+            self.lead(st);
+        }
         loop {
-            if let Some(o) = slot.outcome.get() {
-                let end = pos + records.len();
-                return match &o.error {
-                    Some(e) if end > o.committed => Err(e.clone()),
-                    _ => Ok(Appended {
-                        offset: o.batch_start + pos as u64,
-                        end: o.batch_start + end as u64,
-                    }),
-                };
-            }
-            if st.flushing {
-                if st.gathering {
-                    self.arrived.notify_one();
+            match slot.state.load(Ordering::Acquire) {
+                DONE => break,
+                PENDING => {
+                    let _ = slot.state.compare_exchange(
+                        PENDING,
+                        SLEEPING,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
                 }
-                st.waiters += 1;
-                st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
-                st.waiters -= 1;
-            } else {
-                st = self.lead(st);
+                LEAD => {
+                    if slot
+                        .state
+                        .compare_exchange(LEAD, SLEEPING, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        // Still queued and nobody flushing: this caller leads.
+                        let st = self.lock();
+                        if !st.flushing && slot.outcome.get().is_none() {
+                            self.lead(st);
+                        }
+                    }
+                }
+                _ => atomic_wait::wait(&slot.state, SLEEPING),
             }
+        }
+        let o = slot
+            .outcome
+            .get()
+            .expect("a finished batch has its outcome");
+        let end = pos + records.len();
+        match &o.error {
+            Some(e) if end > o.committed => Err(e.clone()),
+            _ => Ok(Appended {
+                offset: o.batch_start + pos as u64,
+                end: o.batch_start + end as u64,
+            }),
         }
     }
 
@@ -406,7 +475,7 @@ impl ChannelWriter {
         let window = Duration::from_nanos(self.last_sync_ns.load(Ordering::Relaxed))
             .min(Duration::from_millis(2));
         let deadline = Instant::now() + window;
-        st.gathering = true;
+        st.gather_want = want;
         while st.groups.len() < want && !st.closed {
             let now = Instant::now();
             if now >= deadline {
@@ -418,12 +487,14 @@ impl ChannelWriter {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-        st.gathering = false;
+        st.gather_want = 0;
         st
     }
 
-    /// Runs one batch as leader: everything queued right now.
-    fn lead<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+    /// Runs one batch as leader: everything queued right now. Wakes the
+    /// batch's callers when it ends, and asks a caller of the next batch to
+    /// lead that one.
+    fn lead<'a>(&'a self, mut st: MutexGuard<'a, State>) {
         st.flushing = true;
         st = self.gather(st);
         let spare = std::mem::take(&mut st.spare);
@@ -477,17 +548,21 @@ impl ChannelWriter {
         }
         st.spare_groups = groups;
         st.flushing = false;
-        let _ = slot.outcome.set(Outcome {
+        let next = (!st.groups.is_empty()).then(|| st.slot.clone());
+        st.used_slot = Some(slot.clone());
+        if st.waiters > 0 {
+            self.done.notify_all();
+        }
+        drop(st);
+        slot.finish(Outcome {
             batch_start,
             committed,
             error,
         });
-        st.used_slot = Some(slot);
         self.notifier.publish(end);
-        if st.waiters > 0 {
-            self.done.notify_all();
+        if let Some(next) = next {
+            next.request_leader();
         }
-        st
     }
 
     /// A slot for the next batch: the last finished one when nobody holds it
@@ -496,6 +571,7 @@ impl ChannelWriter {
         if let Some(mut used) = st.used_slot.take() {
             if let Some(free) = Arc::get_mut(&mut used) {
                 free.outcome.take();
+                *free.state.get_mut() = PENDING;
                 return used;
             }
         }
@@ -724,15 +800,96 @@ impl ChannelWriter {
             let slot = std::mem::replace(&mut st.slot, next);
             st.pending.clear();
             st.groups.clear();
-            let _ = slot.outcome.set(Outcome {
+            drop(st);
+            slot.finish(Outcome {
                 batch_start: 0,
                 committed: 0,
                 error: Some(StorageError::Closed(self.channel.clone())),
             });
-            self.done.notify_all();
+        } else {
+            drop(st);
         }
-        drop(st);
         self.sync_if_dirty();
         self.notifier.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    fn open_writer(dir: &Path, durable: bool) -> ChannelWriter {
+        let cfg = WriterConfig {
+            segment_bytes: 0,
+            durable,
+        };
+        ChannelWriter::open("c", &dir.join("c"), cfg).expect("open writer")
+    }
+
+    /// Callers queued behind a batch whose leader does not come back are
+    /// asked to lead their own batch: nobody waits for a leader that left.
+    #[test]
+    fn queued_callers_lead_when_the_last_leader_is_gone() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let w = Arc::new(open_writer(tmp.path(), true));
+        // A leader is in flight: appends queue behind it.
+        w.lock().flushing = true;
+        let (tx, rx) = mpsc::channel();
+        for i in 0..3u8 {
+            let (w, tx) = (w.clone(), tx.clone());
+            std::thread::spawn(move || tx.send(w.append(&[b'a' + i, b'\n'], 1)));
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while w.lock().groups.len() < 3 {
+            assert!(Instant::now() < deadline, "appends never queued");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The in-flight batch ends and its leader leaves, as `lead` does.
+        let mut st = w.lock();
+        st.flushing = false;
+        let next = st.slot.clone();
+        drop(st);
+        next.request_leader();
+        for _ in 0..3 {
+            let appended = rx
+                .recv_timeout(Duration::from_secs(10))
+                .expect("a queued append was never led")
+                .expect("append");
+            assert_eq!(appended.end - appended.offset, 2);
+        }
+        let c = w.counters();
+        assert_eq!((c.records, c.batches, c.fsyncs), (3, 1, 1), "{c:?}");
+        assert_eq!(w.committed_end(), 6);
+    }
+
+    /// Publishers that append once and leave: every batch's leader is gone
+    /// when it ends, so the callers queued behind it must lead themselves.
+    #[test]
+    fn one_shot_publishers_all_finish() {
+        const THREADS: u64 = 16;
+        const ROUNDS: u64 = 30;
+        for durable in [true, false] {
+            let tmp = tempfile::tempdir().expect("tempdir");
+            let w = Arc::new(open_writer(tmp.path(), durable));
+            for _ in 0..ROUNDS {
+                let (tx, rx) = mpsc::channel();
+                // Detached threads: a hung append fails the test, not hangs it.
+                for _ in 0..THREADS {
+                    let (w, tx) = (w.clone(), tx.clone());
+                    std::thread::spawn(move || tx.send(w.append(b"{}\n", 1)));
+                }
+                for _ in 0..THREADS {
+                    rx.recv_timeout(Duration::from_secs(30))
+                        .expect("an append was never led")
+                        .expect("append");
+                }
+            }
+            let c = w.counters();
+            assert_eq!(c.records, THREADS * ROUNDS);
+            assert!(c.batches < c.records, "no batch was shared: {c:?}");
+            assert_eq!(w.committed_end(), THREADS * ROUNDS * 3);
+            w.close();
+        }
     }
 }
