@@ -24,6 +24,7 @@ from conftest import NODE_NAME, make_config
 from keyop_messenger import (
     ClosedError,
     Config,
+    DataDirLockedError,
     InvalidNameError,
     KeyopError,
     LogEntry,
@@ -743,6 +744,21 @@ def test_data_dir_lock_is_held_while_open_and_released_on_close(config: Config) 
         ]
     assert second.closed
     Messenger(config).close()  # the context manager released the lock too
+
+
+def test_held_data_dir_raises_data_dir_locked_error(tmp_path: Path, config: Config) -> None:
+    with Messenger(config):
+        with pytest.raises(DataDirLockedError, match="in use by another messenger") as info:
+            Messenger(config)
+    assert isinstance(info.value, StorageError)  # still caught by `except StorageError`
+    assert isinstance(info.value, OSError)
+
+    # Other storage failures stay plain StorageErrors.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StorageError) as other:
+        Messenger(make_config(tmp_path, data_dir=str(blocker)))
+    assert not isinstance(other.value, DataDirLockedError)
 
 
 # ---------------------------------------------------------------------------

@@ -487,14 +487,14 @@ def _local_only(config: Config) -> Config:
 def _open_local(config_path: str, hint: str = "") -> Messenger:
     """A messenger on the configuration's data directory (federation off);
     a held data directory becomes one clear error line."""
-    from .errors import StorageError
+    from .errors import DataDirLockedError
     from .messenger import Messenger
 
     config = _local_only(_load(config_path))
     try:
         return Messenger(config)
-    except StorageError as err:
-        if "in use" in str(err) and hint:
+    except DataDirLockedError as err:
+        if hint:
             raise _CommandError(f"{err} ({hint})") from err
         raise
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ClosedError",
     "ConfigError",
+    "DataDirLockedError",
     "FederationError",
     "InvalidNameError",
     "KeyopError",
@@ -57,6 +58,14 @@ class MessageTooLargeError(KeyopError, ValueError):
 
 class StorageError(KeyopError, OSError):
     """Reading or writing the data directory failed; a failed publish was not committed."""
+
+
+class DataDirLockedError(StorageError):
+    """The data directory is in use: another messenger (in this process or
+    another) holds its lock file, ``keyop.lock``. Close that messenger, use a
+    different ``storage.data_dir``, or publish through a hub with an
+    :class:`~keyop_messenger.EphemeralMessenger`; read a held directory with
+    :func:`~keyop_messenger.read_channel`."""
 
 
 class ClosedError(KeyopError, RuntimeError):

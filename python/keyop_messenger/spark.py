@@ -230,7 +230,6 @@ _ARROW_BATCH_ROWS = 8192
 _SEGMENT_RE = re.compile(r"^(\d+)\.jsonl$")
 _UTC = datetime.timezone.utc
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=_UTC)
-_LOCKED_TEXT = "in use by another messenger"
 
 
 def register(spark: SparkSession) -> None:
@@ -1322,7 +1321,7 @@ class _DirTarget(_Target):
         self, data_dir: str, name: str, storage: dict[str, int], lock_timeout_s: float
     ) -> None:
         from .config import Config
-        from .errors import StorageError
+        from .errors import DataDirLockedError
         from .messenger import Messenger
 
         config = Config.from_dict({"name": name, "storage": {"data_dir": data_dir, **storage}})
@@ -1332,15 +1331,13 @@ class _DirTarget(_Target):
             try:
                 self.messenger = Messenger(config)
                 return
-            except StorageError as exc:
-                if _LOCKED_TEXT not in str(exc) or time.monotonic() >= deadline:
-                    if _LOCKED_TEXT in str(exc):
-                        raise StorageError(
-                            f"{exc} (waited {lock_timeout_s:g} s: lock_timeout_s; with the "
-                            "data_dir option tasks take turns, so coalesce the DataFrame or "
-                            "raise lock_timeout_s)"
-                        ) from exc
-                    raise
+            except DataDirLockedError as exc:
+                if time.monotonic() >= deadline:
+                    raise DataDirLockedError(
+                        f"{exc} (waited {lock_timeout_s:g} s: lock_timeout_s; with the "
+                        "data_dir option tasks take turns, so coalesce the DataFrame or "
+                        "raise lock_timeout_s)"
+                    ) from exc
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 

@@ -4,7 +4,7 @@
 //! classes, so the pure-Python layer raises the same types); they are looked
 //! up once and cached.
 
-use keyop_core::Error;
+use keyop_core::{Error, StorageError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -17,6 +17,7 @@ pub enum Kind {
     PayloadType,
     MessageTooLarge,
     Storage,
+    DataDirLocked,
     Closed,
     Config,
     Subscription,
@@ -33,6 +34,7 @@ impl Kind {
             Kind::PayloadType => "PayloadTypeError",
             Kind::MessageTooLarge => "MessageTooLargeError",
             Kind::Storage => "StorageError",
+            Kind::DataDirLocked => "DataDirLockedError",
             Kind::Closed => "ClosedError",
             Kind::Config => "ConfigError",
             Kind::Subscription => "SubscriptionError",
@@ -44,7 +46,8 @@ impl Kind {
     }
 }
 
-static CLASSES: [PyOnceLock<Py<PyType>>; 11] = [
+static CLASSES: [PyOnceLock<Py<PyType>>; 12] = [
+    PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
@@ -83,6 +86,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::TooLarge { .. } => Kind::MessageTooLarge,
         Error::Closed(_) => Kind::Closed,
         Error::Config(_) => Kind::Config,
+        Error::Storage(StorageError::Locked(_)) => Kind::DataDirLocked,
         Error::Storage(_) => Kind::Storage,
         Error::Subscription(_) => Kind::Subscription,
         Error::Federation(_) => Kind::Federation,
