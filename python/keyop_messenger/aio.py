@@ -88,6 +88,7 @@ log = logging.getLogger("keyop_messenger")
 
 T = TypeVar("T")
 S = TypeVar("S")
+C = TypeVar("C", bound="_AsyncContext")
 
 #: Threads of the pool each async messenger owns for its blocking calls.
 DEFAULT_WORKERS = 8
@@ -191,7 +192,30 @@ class _Bridge:
                 raise self._abandon("its task was cancelled: event loop shutting down") from None
 
 
-class _AsyncBase(Generic[S]):
+class _AsyncContext:
+    """``async with`` for the async classes: entering awaits :meth:`_enter`
+    and gives the object itself; leaving awaits ``close()``."""
+
+    async def _enter(self) -> None:
+        """Runs when the ``async with`` block is entered (nothing by default)."""
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self: C) -> C:
+        await self._enter()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class _AsyncBase(_AsyncContext, Generic[S]):
     """Thread pool, open/close life cycle and registration shared by both classes."""
 
     def __init__(self, config: ConfigLike, max_workers: int) -> None:
@@ -258,6 +282,9 @@ class _AsyncBase(Generic[S]):
             raise
         finally:
             self._opening = None
+
+    async def _enter(self) -> None:
+        await self.open()
 
     async def close(self) -> None:
         """Stops every subscription, closes the underlying messenger and the
@@ -347,7 +374,7 @@ class _AsyncBase(Generic[S]):
         return _Bridge(handler, asyncio.get_running_loop(), label)
 
 
-class AsyncSubscription:
+class AsyncSubscription(_AsyncContext):
     """A running subscription of an async messenger (see :meth:`AsyncMessenger.subscribe`)."""
 
     def __init__(
@@ -399,17 +426,6 @@ class AsyncSubscription:
             self._owner._pool.submit(sync.close)
             return
         await _finish(self._owner._submit(sync.close))
-
-    async def __aenter__(self) -> AsyncSubscription:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def __repr__(self) -> str:
         state = "active" if self.active else "closed"
@@ -478,18 +494,6 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         sync: Any = self._require()
         return await self._run(sync.stats)
 
-    async def __aenter__(self) -> AsyncMessenger:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("open" if self._sync is not None else "new")
         return f"<AsyncMessenger {state}>"
@@ -554,18 +558,6 @@ class AsyncEphemeralMessenger(_AsyncBase["EphemeralMessenger"]):
     def status(self) -> dict[str, Any]:
         """As :meth:`EphemeralMessenger.status` (non-blocking)."""
         return self._require().status()
-
-    async def __aenter__(self) -> AsyncEphemeralMessenger:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("open" if self._sync is not None else "new")
