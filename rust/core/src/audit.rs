@@ -14,22 +14,15 @@ use serde::Serialize;
 
 use crate::envelope::format_ts;
 
-/// One audit record. `ts` is filled in when it is logged.
-#[derive(Debug, Default, Clone, Serialize)]
+/// One audit record; its `ts` is the time it is logged.
+#[derive(Debug, Default, Clone)]
 pub struct AuditEvent {
-    pub ts: String,
     pub event: &'static str,
-    #[serde(skip_serializing_if = "String::is_empty")]
     pub message_id: String,
-    #[serde(skip_serializing_if = "String::is_empty")]
     pub channel: String,
-    #[serde(skip_serializing_if = "String::is_empty")]
     pub direction: String,
-    #[serde(skip_serializing_if = "String::is_empty")]
     pub peer: String,
-    #[serde(skip_serializing_if = "String::is_empty")]
     pub peer_addr: String,
-    #[serde(skip_serializing_if = "String::is_empty")]
     pub detail: String,
 }
 
@@ -41,6 +34,38 @@ impl AuditEvent {
             ..AuditEvent::default()
         }
     }
+
+    fn record<'a>(&'a self, ts: &'a str) -> Record<'a> {
+        Record {
+            ts,
+            event: self.event,
+            message_id: &self.message_id,
+            channel: &self.channel,
+            direction: &self.direction,
+            peer: &self.peer,
+            peer_addr: &self.peer_addr,
+            detail: &self.detail,
+        }
+    }
+}
+
+/// The line of one record, in 1.4's key order; empty fields are omitted.
+#[derive(Serialize)]
+struct Record<'a> {
+    ts: &'a str,
+    event: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    message_id: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    channel: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    direction: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    peer: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    peer_addr: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    detail: &'a str,
 }
 
 /// A duration rounded to milliseconds in Go's `time.Duration` text form, as
@@ -119,21 +144,75 @@ impl AuditLog {
 
     /// Appends one record (with the current time); errors are logged, never
     /// returned, and a closed log ignores the call.
-    pub fn log(&self, mut ev: AuditEvent) {
-        ev.ts = format_ts(SystemTime::now());
-        let mut line = serde_json::to_vec(&ev).expect("audit event serialises");
-        line.push(b'\n');
-        let mut guard = self.live.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(live) = guard.as_mut() else { return };
-        if let Err(e) = live.file.write_all(&line) {
-            log::error!("audit: cannot write {}: {e}", self.path.display());
+    pub fn log(&self, ev: AuditEvent) {
+        let ts = format_ts(SystemTime::now());
+        self.write_records(std::iter::once(ev.record(&ts)));
+    }
+
+    /// Appends one `forward` record per id of a batch forwarded on `channel`
+    /// to or from `peer` (`direction` is `inbound` or `outbound`), with one
+    /// timestamp and one write for the batch (rotating where a record fills
+    /// the file, as [`AuditLog::log`] does).
+    pub fn log_forwards(&self, direction: &str, peer: &str, channel: &str, ids: &[String]) {
+        if ids.is_empty() {
             return;
         }
-        live.size += line.len() as u64;
-        if live.size >= self.max_bytes {
-            match self.rotate() {
-                Ok(fresh) => *guard = Some(fresh),
-                Err(e) => log::error!("audit: rotation of {} failed: {e}", self.path.display()),
+        let ts = format_ts(SystemTime::now());
+        self.write_records(ids.iter().map(|id| Record {
+            ts: &ts,
+            event: "forward",
+            message_id: id,
+            channel,
+            direction,
+            peer,
+            peer_addr: "",
+            detail: "",
+        }));
+    }
+
+    /// Writes records with as few writes as rotation allows: the file rotates
+    /// right after the record that brings it to the size limit.
+    fn write_records<'a>(&self, records: impl IntoIterator<Item = Record<'a>>) {
+        let mut guard = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            return;
+        }
+        let mut buf = Vec::with_capacity(256);
+        for rec in records {
+            serde_json::to_writer(&mut buf, &rec).expect("audit record serialises");
+            buf.push(b'\n');
+            let Some(live) = guard.as_mut() else { return };
+            if live.size + buf.len() as u64 >= self.max_bytes {
+                if !self.append(live, &mut buf) {
+                    return;
+                }
+                match self.rotate() {
+                    Ok(fresh) => *guard = Some(fresh),
+                    Err(e) => log::error!("audit: rotation of {} failed: {e}", self.path.display()),
+                }
+            }
+        }
+        if let Some(live) = guard.as_mut() {
+            self.append(live, &mut buf);
+        }
+    }
+
+    /// Writes and empties `buf`; `false` (logged) if the write failed.
+    fn append(&self, live: &mut Live, buf: &mut Vec<u8>) -> bool {
+        if buf.is_empty() {
+            return true;
+        }
+        let res = live.file.write_all(buf);
+        let len = buf.len() as u64;
+        buf.clear();
+        match res {
+            Ok(()) => {
+                live.size += len;
+                true
+            }
+            Err(e) => {
+                log::error!("audit: cannot write {}: {e}", self.path.display());
+                false
             }
         }
     }
@@ -207,5 +286,42 @@ mod tests {
         assert!(!audit.join("audit.jsonl.3").exists());
         log.close();
         log.log(AuditEvent::new("ignored after close"));
+        log.log_forwards("inbound", "p", "c", &["ignored".to_owned()]);
+    }
+
+    /// A batch of forwards is one record per id, with the keys of a single
+    /// `log`, and it rotates at the record that fills the file.
+    #[test]
+    fn forwards_of_a_batch_are_one_record_each_and_rotate() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = AuditLog::open(dir.path(), 1, 3).unwrap();
+        let ids: Vec<String> = (0..3).map(|i| format!("id-{i}")).collect();
+        log.log_forwards("outbound", "hub-a", "temps", &ids);
+        let text = fs::read_to_string(log.path()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        for (line, id) in lines.iter().zip(&ids) {
+            assert!(line.starts_with("{\"ts\":\""), "{line}");
+            assert!(line.ends_with(&format!(
+                "\"event\":\"forward\",\"message_id\":\"{id}\",\"channel\":\"temps\",\"direction\":\"outbound\",\"peer\":\"hub-a\"}}"
+            )), "{line}");
+        }
+        // About 1.3 MiB of records in one batch: the file rotates once, right
+        // after the record that reaches 1 MiB, and nothing is lost.
+        let many: Vec<String> = (0..6_000).map(|i| format!("{i:0>100}")).collect();
+        log.log_forwards("inbound", "p", "c", &many);
+        let audit = dir.path().join("audit");
+        let rotated = fs::read_to_string(audit.join("audit.jsonl.1")).unwrap();
+        let live = fs::read_to_string(log.path()).unwrap();
+        assert!(!audit.join("audit.jsonl.2").exists());
+        let limit = 1024 * 1024;
+        assert!(rotated.len() >= limit, "{}", rotated.len());
+        let last_len = rotated.lines().last().unwrap().len() + 1;
+        assert!(rotated.len() - last_len < limit, "rotated late");
+        assert_eq!(
+            rotated.lines().count() + live.lines().count(),
+            3 + many.len()
+        );
+        assert!(live.lines().last().unwrap().contains(&many[5_999]));
     }
 }

@@ -298,13 +298,10 @@ async fn receive_batch(
         }
         for id in &ids {
             shared.seen.insert(id);
-            let mut ev = AuditEvent::new("forward");
-            ev.message_id = id.clone();
-            ev.channel = channel.clone();
-            ev.direction = "inbound".into();
-            ev.peer = inbound.peer.clone();
-            shared.audit.log(ev);
         }
+        shared
+            .audit
+            .log_forwards("inbound", &inbound.peer, &channel, &ids);
     }
     // Every qualifying record is now refused or committed (a failed commit
     // returned above): acknowledge the last of them in batch order.
@@ -377,14 +374,9 @@ where
                         }
                     }
                 }
-                for id in &batch.ids {
-                    let mut ev = AuditEvent::new("forward");
-                    ev.message_id = id.clone();
-                    ev.channel = ch.channel.clone();
-                    ev.direction = "outbound".into();
-                    ev.peer = peer.clone();
-                    shared.audit.log(ev);
-                }
+                shared
+                    .audit
+                    .log_forwards("outbound", &peer, &ch.channel, &batch.ids);
                 sent = true;
             }
             if batch.end != positions[i] {
