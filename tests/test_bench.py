@@ -37,6 +37,24 @@ def test_median_is_taken_per_field() -> None:
     assert bench._median(3, lambda: next(runs)) == Sample(20.0, 2.0)
 
 
+def test_raw_fdatasync_probe_syncs_whole_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 16-record probe writes 16 records per fdatasync and counts fdatasyncs."""
+    synced: list[int] = []
+    real_fdatasync = bench.os.fdatasync
+
+    def counting_fdatasync(fd: int) -> None:
+        synced.append(bench.os.fstat(fd).st_size)
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(bench.os, "fdatasync", counting_fdatasync)
+    suite = Suite(tmp_path, 0.05, 1)
+    sample = suite.raw_fdatasync(16)
+    assert synced and synced == [3200 * (i + 1) for i in range(len(synced))]
+    assert sample.per_s == pytest.approx(len(synced) / 0.05, rel=0.5)
+
+
 def test_one_core_comparison_says_it_needs_two_cpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -93,6 +111,8 @@ def test_quick_bench_prints_every_figure() -> None:
         "cpu_us_per_publish_relaxed",
         "cpu_us_per_publish_durable",
         "cpu_us_per_delivery",
+        "raw_fdatasync_16_records_per_s",
+        "publish_durable_16_disk_ceiling_ratio",
     ):
         assert results[key] > 0, key
     if "one_core_skipped" not in results:
