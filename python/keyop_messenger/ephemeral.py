@@ -19,7 +19,7 @@ from typing import Any
 from . import _core
 from .config import Config, load_config
 from .context import resolve
-from .errors import ConfigError, unicode_error
+from .errors import ConfigError, send_batch, unicode_error
 from .message import message_from_parts
 from .payloads import PayloadRegistry, to_plain
 from .subscription import Handler
@@ -162,13 +162,7 @@ class EphemeralMessenger:
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
-        try:
-            return self._client.publish_batch(channel, pairs, service, corr, to_plain)
-        except UnicodeEncodeError as exc:
-            raise unicode_error(
-                exc, channel=channel, service_name=service, correlation_id=corr,
-                **{f"payload_type {i}": p[0] for i, p in enumerate(pairs) if isinstance(p, tuple)},
-            ) from None
+        return send_batch(self._client.publish_batch, channel, pairs, service, corr, to_plain)
 
     def status(self) -> dict[str, Any]:
         """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``."""

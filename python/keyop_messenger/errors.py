@@ -7,6 +7,9 @@ engine's errors are mapped onto these classes in one place (the binding's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 __all__ = [
     "ClosedError",
     "ConfigError",
@@ -18,6 +21,7 @@ __all__ = [
     "PayloadTypeError",
     "StorageError",
     "SubscriptionError",
+    "send_batch",
     "unicode_error",
 ]
 
@@ -116,3 +120,27 @@ def unicode_error(exc: UnicodeEncodeError, **texts: object) -> KeyopError:
                 cls = InvalidNameError if what in _NAMES else PayloadTypeError
                 return cls(f"{what.replace('_', ' ')} {value!r} is not valid Unicode text")
     return PayloadTypeError(f"text is not valid Unicode: {exc}")
+
+
+def send_batch(
+    send: Callable[
+        [str, list[tuple[str, Any]], str | None, str | None, Callable[[Any], Any]], list[str]
+    ],
+    channel: str,
+    pairs: list[tuple[str, Any]],
+    service_name: str | None,
+    correlation_id: str | None,
+    default: Callable[[Any], Any],
+) -> list[str]:
+    """``send(channel, pairs, service_name, correlation_id, default)``: hands
+    a batch to the engine (a messenger's or an ephemeral client's
+    ``publish_batch``); text it cannot take becomes :func:`unicode_error`'s
+    error, naming the channel, service name, correlation id or payload type
+    at fault."""
+    try:
+        return send(channel, pairs, service_name, correlation_id, default)
+    except UnicodeEncodeError as exc:
+        raise unicode_error(
+            exc, channel=channel, service_name=service_name, correlation_id=correlation_id,
+            **{f"payload_type {i}": p[0] for i, p in enumerate(pairs) if isinstance(p, tuple)},
+        ) from None

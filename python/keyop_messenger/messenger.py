@@ -15,7 +15,7 @@ from typing import Any
 from . import _core
 from .config import Config, load_config
 from .context import _CONTEXT, resolve
-from .errors import unicode_error
+from .errors import send_batch, unicode_error
 from .message import LogEntry, entry_from_row
 from .metrics import MetricsServer
 from .payloads import PayloadRegistry, to_plain
@@ -176,13 +176,7 @@ class Messenger:
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
-        try:
-            return self._engine.publish_batch(channel, pairs, service, corr, to_plain)
-        except UnicodeEncodeError as exc:
-            raise unicode_error(
-                exc, channel=channel, service_name=service, correlation_id=corr,
-                **{f"payload_type {i}": p[0] for i, p in enumerate(pairs) if isinstance(p, tuple)},
-            ) from None
+        return send_batch(self._engine.publish_batch, channel, pairs, service, corr, to_plain)
 
     def subscribe(self, channel: str, subscriber_id: str, handler: Handler) -> Subscription:
         """Delivers ``channel`` to ``handler`` as subscriber ``subscriber_id``.
