@@ -376,6 +376,47 @@ def test_context_sets_nests_and_is_overridden(messenger: Messenger) -> None:
     ]
 
 
+def test_context_text_that_is_not_unicode_is_named(messenger: Messenger) -> None:
+    """Fields taken from the context are checked like arguments: the error
+    names the one at fault and nothing is written."""
+    end = messenger.stream_end("ctx-bad")
+    with keyop_messenger.context(correlation_id="c\ud800"), pytest.raises(
+        PayloadTypeError, match=re.escape("correlation id 'c\\ud800'")
+    ):
+        messenger.publish("ctx-bad", "t", 1)
+    with keyop_messenger.context(service_name="s\udfff"), pytest.raises(
+        PayloadTypeError, match="service name"
+    ):
+        messenger.publish("ctx-bad", "t", 1, correlation_id="fine")
+    assert messenger.stream_end("ctx-bad") == end
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((None, "t", 1), {}),
+        (("ch", 3, 1), {}),
+        (("ch", "t", 1), {"service_name": 7}),
+        (("ch", "t", 1), {"correlation_id": b"bytes"}),
+    ],
+)
+def test_publish_arguments_of_the_wrong_type_raise_type_error(
+    messenger: Messenger, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    with pytest.raises(TypeError):
+        messenger.publish(*args, **kwargs)
+
+
+def test_publish_before_the_messenger_is_set_up_is_refused(tmp_path: Path) -> None:
+    class Early(Messenger):
+        def __init__(self, config: Config) -> None:
+            self.publish("ch", "t", 1)  # before Messenger.__init__ opened anything
+
+    with pytest.raises(ClosedError, match="not set up"):
+        Early(make_config(tmp_path))
+    assert not (tmp_path / "data").exists()
+
+
 def test_context_is_restored_after_an_exception(messenger: Messenger) -> None:
     with pytest.raises(RuntimeError), keyop_messenger.context(service_name="svc"):
         raise RuntimeError("boom")

@@ -1,13 +1,17 @@
 """Type stubs of the compiled engine module (kept in step with rust/python/src/lib.rs)."""
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from os import PathLike
 from typing import Any, final
+
+from typing_extensions import disjoint_base
 
 __all__ = [
     "MAX_RECORD_BYTES",
     "Engine",
     "EphemeralClient",
+    "MessengerBase",
     "RecordIter",
     "Subscription",
     "__version__",
@@ -23,6 +27,28 @@ MAX_RECORD_BYTES: int
 
 _Row = tuple[int, int, str, int, str, str, str, str | None, str | None, Any]
 _DeliveryRow = tuple[int, str, int, str, str, str, str | None, str | None, Any]
+
+@disjoint_base
+class MessengerBase:
+    def __new__(cls, *_args: Any, **_kwargs: Any) -> MessengerBase: ...
+    def _bind_publish(
+        self,
+        engine: Engine,
+        registry: Mapping[str, object],
+        check: Callable[[str, Any], None],
+        context: ContextVar[tuple[str | None, str | None]],
+        default: Callable[[Any], Any],
+        unicode_error: Callable[..., Exception],
+    ) -> None: ...
+    def publish(
+        self,
+        channel: str,
+        payload_type: str,
+        payload: Any,
+        *,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+    ) -> str: ...
 
 @final
 class Engine:

@@ -39,12 +39,15 @@ def _close_all() -> None:
         m.close()
 
 
-class Messenger:
+class Messenger(_core.MessengerBase):
     """A messenger instance owning one data directory.
 
-    ``publish()`` returns once the message is committed: fdatasynced with
-    ``storage.sync_interval_ms: 0`` (concurrent publishers share one fsync),
-    or written to the file with ``sync_interval_ms > 0`` (a timer fsyncs).
+    ``publish(channel, payload_type, payload, *, service_name=None,
+    correlation_id=None)`` returns the message id once the message is
+    committed: fdatasynced with ``storage.sync_interval_ms: 0`` (concurrent
+    publishers share one fsync), or written to the file with
+    ``sync_interval_ms > 0`` (a timer fsyncs). It is the hot path, so it is
+    implemented in the extension (see ``MessengerBase.publish``).
     Use it as a context manager, or call :meth:`close`.
     """
 
@@ -66,7 +69,10 @@ class Messenger:
             segment_bytes=max(storage.compaction_threshold_mb, 0) * _MIB,
         )
         self._engine.start_retention(int(RETENTION_INTERVAL_S * 1000), **self._retention())
-        self._publish = self._engine.publish
+        self._bind_publish(
+            self._engine, self._registry.entries, self._registry.check, _CONTEXT, to_plain,
+            unicode_error,
+        )
         _OPEN.add(self)
         if config.hub.enabled or config.client.enabled:
             try:
@@ -126,42 +132,6 @@ class Messenger:
         model, ``dict`` or ``TypedDict``): publishes of that type are checked
         against it and delivered payloads are decoded into it."""
         self._registry.register(name, cls)
-
-    def publish(
-        self,
-        channel: str,
-        payload_type: str,
-        payload: Any,
-        *,
-        service_name: str | None = None,
-        correlation_id: str | None = None,
-    ) -> str:
-        """Publishes one message and returns its id once it is committed.
-
-        Raises :class:`InvalidNameError` for a bad channel name,
-        :class:`PayloadTypeError` if the payload does not match its registered
-        type or is not JSON-encodable, :class:`MessageTooLargeError` over
-        10 MiB, :class:`StorageError` if it was not committed, and
-        :class:`ClosedError` after :meth:`close`.
-        """
-        # The hot path: a dict lookup when types are registered, one context read.
-        if self._registry.entries and payload_type in self._registry.entries:
-            self._registry.check(payload_type, payload)
-        if service_name is None or correlation_id is None:  # resolve(), inlined
-            ctx_service, ctx_corr = _CONTEXT.get()
-            if service_name is None:
-                service_name = ctx_service
-            if correlation_id is None:
-                correlation_id = ctx_corr
-        try:
-            return self._publish(
-                channel, payload_type, payload, service_name, correlation_id, to_plain
-            )
-        except UnicodeEncodeError as exc:
-            raise unicode_error(
-                exc, channel=channel, payload_type=payload_type, service_name=service_name,
-                correlation_id=correlation_id,
-            ) from None
 
     def publish_batch(
         self,

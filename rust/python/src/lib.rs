@@ -8,7 +8,7 @@ mod json;
 mod keygen;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use keyop_core::engine::encode_message;
@@ -18,6 +18,8 @@ use keyop_core::{
     BatchOutcome, Delivery, Engine, Envelope, Failure, Handler, Outgoing, RetentionConfig,
     StoreConfig, SubscribeOptions, Subscriber,
 };
+use pyo3::exceptions::{PyRuntimeError, PyUnicodeEncodeError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 
@@ -88,6 +90,192 @@ fn encode_payload(
     Ok(out)
 }
 
+/// Encodes and publishes one message; the GIL is released while it commits.
+#[allow(clippy::too_many_arguments)]
+fn publish_one(
+    py: Python<'_>,
+    engine: &Engine,
+    channel: &str,
+    payload_type: &str,
+    payload: &Bound<'_, PyAny>,
+    service_name: Option<&str>,
+    correlation_id: Option<&str>,
+    default: Option<&Bound<'_, PyAny>>,
+) -> PyResult<String> {
+    let json = encode_payload(payload, default)?;
+    let msg = Outgoing {
+        payload_type,
+        payload_json: &json,
+        service_name,
+        correlation_id,
+    };
+    let published = py.detach(|| engine.publish(channel, &msg)).py_err(py)?;
+    Ok(published.id)
+}
+
+/// What `Messenger.publish` needs, bound once by `Messenger.__init__`.
+struct PublishPath {
+    engine: Arc<Engine>,
+    /// The payload registry's dict of registered types.
+    registry: Py<PyDict>,
+    /// `check(payload_type, payload)`: raises if a registered type's payload
+    /// does not match it.
+    check: Py<PyAny>,
+    /// The `ContextVar` holding `(service_name, correlation_id)`.
+    context: Py<PyAny>,
+    /// Turns payload objects JSON has no form for into plain data.
+    default: Py<PyAny>,
+    /// `unicode_error(exc, **texts)`: the library error for text that is not
+    /// valid Unicode.
+    unicode_error: Py<PyAny>,
+}
+
+/// Base class of `Messenger`: its `publish`, the hot path, runs here without
+/// a Python frame.
+#[pyclass(
+    module = "keyop_messenger._core",
+    name = "MessengerBase",
+    subclass,
+    frozen
+)]
+struct MessengerBase {
+    path: OnceLock<PublishPath>,
+}
+
+/// `text` (a `str` or None) as UTF-8.
+fn opt_str<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a str>> {
+    if text.is_none() {
+        Ok(None)
+    } else {
+        Ok(Some(text.cast::<PyString>()?.to_str()?))
+    }
+}
+
+impl MessengerBase {
+    /// `publish` once the context is resolved and the registry consulted;
+    /// text that is not valid Unicode fails with `UnicodeEncodeError`.
+    fn send(
+        py: Python<'_>,
+        path: &PublishPath,
+        texts: [&Bound<'_, PyAny>; 4],
+        payload: &Bound<'_, PyAny>,
+    ) -> PyResult<String> {
+        let [channel, payload_type, service_name, correlation_id] = texts;
+        publish_one(
+            py,
+            &path.engine,
+            channel.cast::<PyString>()?.to_str()?,
+            payload_type.cast::<PyString>()?.to_str()?,
+            payload,
+            opt_str(service_name)?,
+            opt_str(correlation_id)?,
+            Some(path.default.bind(py)),
+        )
+    }
+}
+
+#[pymethods]
+impl MessengerBase {
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Self {
+        MessengerBase {
+            path: OnceLock::new(),
+        }
+    }
+
+    /// Binds `publish` to `engine`, once.
+    fn _bind_publish(
+        &self,
+        engine: &PyEngine,
+        registry: Bound<'_, PyDict>,
+        check: Bound<'_, PyAny>,
+        context: Bound<'_, PyAny>,
+        default: Bound<'_, PyAny>,
+        unicode_error: Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let path = PublishPath {
+            engine: engine.engine.clone(),
+            registry: registry.unbind(),
+            check: check.unbind(),
+            context: context.unbind(),
+            default: default.unbind(),
+            unicode_error: unicode_error.unbind(),
+        };
+        self.path
+            .set(path)
+            .map_err(|_| PyRuntimeError::new_err("publish is already bound"))
+    }
+
+    /// Publishes one message and returns its id once it is committed.
+    ///
+    /// `service_name` and `correlation_id` default to those of the enclosing
+    /// `keyop_messenger.context()` block. Raises `InvalidNameError` for a bad
+    /// channel name, `PayloadTypeError` if the payload does not match its
+    /// registered type or is not JSON-encodable, `MessageTooLargeError` over
+    /// 10 MiB, `StorageError` if it was not committed, and `ClosedError`
+    /// after `close()`.
+    #[pyo3(signature = (channel, payload_type, payload, *, service_name = None, correlation_id = None))]
+    fn publish<'py>(
+        &self,
+        py: Python<'py>,
+        channel: &Bound<'py, PyAny>,
+        payload_type: &Bound<'py, PyAny>,
+        payload: &Bound<'py, PyAny>,
+        service_name: Option<&Bound<'py, PyAny>>,
+        correlation_id: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<String> {
+        let Some(path) = self.path.get() else {
+            return Err(new_err(
+                py,
+                Kind::Closed,
+                "this messenger was not set up (Messenger.__init__ did not finish)".into(),
+            ));
+        };
+        let registry = path.registry.bind(py);
+        if !registry.is_empty() && registry.contains(payload_type)? {
+            path.check.call1(py, (payload_type, payload))?;
+        }
+        // None (or left out) means: from the enclosing context() block.
+        let given = |t: Option<&Bound<'py, PyAny>>| t.filter(|t| !t.is_none()).cloned();
+        let (mut service_name, mut correlation_id) = (given(service_name), given(correlation_id));
+        if service_name.is_none() || correlation_id.is_none() {
+            let ctx = path.context.bind(py).call_method0(intern!(py, "get"))?;
+            let ctx = ctx.cast::<PyTuple>()?;
+            if service_name.is_none() {
+                service_name = Some(ctx.get_item(0)?);
+            }
+            if correlation_id.is_none() {
+                correlation_id = Some(ctx.get_item(1)?);
+            }
+        }
+        let none = py.None().into_bound(py);
+        let texts = [
+            channel,
+            payload_type,
+            service_name.as_ref().unwrap_or(&none),
+            correlation_id.as_ref().unwrap_or(&none),
+        ];
+        match Self::send(py, path, texts, payload) {
+            Err(e) if e.is_instance_of::<PyUnicodeEncodeError>(py) => {
+                let named = PyDict::new(py);
+                for (key, text) in ["channel", "payload_type", "service_name", "correlation_id"]
+                    .into_iter()
+                    .zip(texts)
+                {
+                    named.set_item(key, text)?;
+                }
+                let mapped = path
+                    .unicode_error
+                    .bind(py)
+                    .call((e.value(py),), Some(&named))?;
+                Err(PyErr::from_value(mapped))
+            }
+            r => r,
+        }
+    }
+}
+
 #[pymethods]
 impl PyEngine {
     #[new]
@@ -129,17 +317,16 @@ impl PyEngine {
         correlation_id: Option<&str>,
         default: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
-        let json = encode_payload(payload, default)?;
-        let msg = Outgoing {
+        publish_one(
+            py,
+            &self.engine,
+            channel,
             payload_type,
-            payload_json: &json,
+            payload,
             service_name,
             correlation_id,
-        };
-        let published = py
-            .detach(|| self.engine.publish(channel, &msg))
-            .py_err(py)?;
-        Ok(published.id)
+            default,
+        )
     }
 
     /// Publishes `(payload_type, payload)` pairs with one write and one
@@ -811,6 +998,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Rust modules, e.g. "keyop_core.federation.hub").
     pyo3_log::init();
     m.add_class::<PyEngine>()?;
+    m.add_class::<MessengerBase>()?;
     m.add_class::<RecordIter>()?;
     m.add_class::<Subscription>()?;
     m.add_class::<EphemeralClient>()?;
