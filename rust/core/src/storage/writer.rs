@@ -9,10 +9,10 @@
 //! publishers share one fsync instead of paying N.
 //!
 //! Wake-ups are what limit group commit on few cores, so each batch has its
-//! own wait word ([`Slot`]): finishing a batch wakes exactly its callers,
-//! with one futex call, and they read the outcome without taking the
-//! writer's lock. Callers of the next batch sleep on; one of them is asked to
-//! lead it if nobody else does.
+//! own wait word ([`Slot`]): finishing a batch wakes only its callers, one
+//! after another (each passes the wake-up on), and they read the outcome
+//! without taking the writer's lock. Callers of the next batch sleep on; one
+//! of them is asked to lead it if nobody else does.
 //!
 //! Failure contract: an `Err` from [`ChannelWriter::append`] means the
 //! records were not committed; the file is truncated back to the last
@@ -215,11 +215,14 @@ struct Slot {
 }
 
 impl Slot {
-    /// Marks the batch finished and wakes whoever sleeps on it.
+    /// Marks the batch finished and wakes one of those sleeping on it; each
+    /// caller woken wakes the next ([`ChannelWriter::append`]), so they come
+    /// back one after another instead of all contending at once for the
+    /// scheduler and the caller's own locks (the GIL).
     fn finish(&self, outcome: Outcome) {
         let _ = self.outcome.set(outcome);
         if self.state.swap(DONE, Ordering::AcqRel) != PENDING {
-            atomic_wait::wake_all(&self.state);
+            atomic_wait::wake_one(&self.state);
         }
     }
 
@@ -420,9 +423,17 @@ impl ChannelWriter {
         } else {
             self.lead(st);
         }
+        let mut slept = false;
         loop {
             match slot.state.load(Ordering::Acquire) {
-                DONE => break,
+                DONE => {
+                    if slept {
+                        // Pass the wake-up on (see `Slot::finish`). A caller
+                        // that sleeps after this finds DONE and returns.
+                        atomic_wait::wake_one(&slot.state);
+                    }
+                    break;
+                }
                 PENDING => {
                     let _ = slot.state.compare_exchange(
                         PENDING,
@@ -444,7 +455,10 @@ impl ChannelWriter {
                         }
                     }
                 }
-                _ => atomic_wait::wait(&slot.state, SLEEPING),
+                _ => {
+                    atomic_wait::wait(&slot.state, SLEEPING);
+                    slept = true;
+                }
             }
         }
         let o = slot
