@@ -62,15 +62,6 @@ class Engine:
     ) -> Engine: ...
     @property
     def name(self) -> str: ...
-    def publish(
-        self,
-        channel: str,
-        payload_type: str,
-        payload: Any,
-        service_name: str | None = None,
-        correlation_id: str | None = None,
-        default: Callable[[Any], Any] | None = None,
-    ) -> str: ...
     def publish_batch(
         self,
         channel: str,

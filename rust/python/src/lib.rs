@@ -90,29 +90,6 @@ fn encode_payload(
     Ok(out)
 }
 
-/// Encodes and publishes one message; the GIL is released while it commits.
-#[allow(clippy::too_many_arguments)]
-fn publish_one(
-    py: Python<'_>,
-    engine: &Engine,
-    channel: &str,
-    payload_type: &str,
-    payload: &Bound<'_, PyAny>,
-    service_name: Option<&str>,
-    correlation_id: Option<&str>,
-    default: Option<&Bound<'_, PyAny>>,
-) -> PyResult<String> {
-    let json = encode_payload(payload, default)?;
-    let msg = Outgoing {
-        payload_type,
-        payload_json: &json,
-        service_name,
-        correlation_id,
-    };
-    let published = py.detach(|| engine.publish(channel, &msg)).py_err(py)?;
-    Ok(published.id)
-}
-
 /// What `Messenger.publish` needs, bound once by `Messenger.__init__`.
 struct PublishPath {
     engine: Arc<Engine>,
@@ -152,8 +129,9 @@ fn opt_str<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a str>> {
 }
 
 impl MessengerBase {
-    /// `publish` once the context is resolved and the registry consulted;
-    /// text that is not valid Unicode fails with `UnicodeEncodeError`.
+    /// `publish` once the context is resolved and the registry consulted:
+    /// encodes, then commits with the GIL released. Text that is not valid
+    /// Unicode fails with `UnicodeEncodeError`.
     fn send(
         py: Python<'_>,
         path: &PublishPath,
@@ -161,16 +139,18 @@ impl MessengerBase {
         payload: &Bound<'_, PyAny>,
     ) -> PyResult<String> {
         let [channel, payload_type, service_name, correlation_id] = texts;
-        publish_one(
-            py,
-            &path.engine,
-            channel.cast::<PyString>()?.to_str()?,
-            payload_type.cast::<PyString>()?.to_str()?,
-            payload,
-            opt_str(service_name)?,
-            opt_str(correlation_id)?,
-            Some(path.default.bind(py)),
-        )
+        let channel = channel.cast::<PyString>()?.to_str()?;
+        let json = encode_payload(payload, Some(path.default.bind(py)))?;
+        let msg = Outgoing {
+            payload_type: payload_type.cast::<PyString>()?.to_str()?,
+            payload_json: &json,
+            service_name: opt_str(service_name)?,
+            correlation_id: opt_str(correlation_id)?,
+        };
+        let published = py
+            .detach(|| path.engine.publish(channel, &msg))
+            .py_err(py)?;
+        Ok(published.id)
     }
 }
 
@@ -302,31 +282,6 @@ impl PyEngine {
     #[getter]
     fn name(&self) -> &str {
         self.engine.origin()
-    }
-
-    /// Publishes one message; returns its id once it is committed.
-    #[pyo3(signature = (channel, payload_type, payload, service_name = None, correlation_id = None, default = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn publish(
-        &self,
-        py: Python<'_>,
-        channel: &str,
-        payload_type: &str,
-        payload: &Bound<'_, PyAny>,
-        service_name: Option<&str>,
-        correlation_id: Option<&str>,
-        default: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<String> {
-        publish_one(
-            py,
-            &self.engine,
-            channel,
-            payload_type,
-            payload,
-            service_name,
-            correlation_id,
-            default,
-        )
     }
 
     /// Publishes `(payload_type, payload)` pairs with one write and one
