@@ -98,8 +98,8 @@ struct PublishPath {
     /// `check(payload_type, payload)`: raises if a registered type's payload
     /// does not match it.
     check: Py<PyAny>,
-    /// The `ContextVar` holding `(service_name, correlation_id)`.
-    context: Py<PyAny>,
+    /// `get` of the `ContextVar` holding `(service_name, correlation_id)`.
+    context_get: Py<PyAny>,
     /// Turns payload objects JSON has no form for into plain data.
     default: Py<PyAny>,
     /// `unicode_error(exc, **texts)`: the library error for text that is not
@@ -178,7 +178,7 @@ impl MessengerBase {
             engine: engine.engine.clone(),
             registry: registry.unbind(),
             check: check.unbind(),
-            context: context.unbind(),
+            context_get: context.getattr(intern!(context.py(), "get"))?.unbind(),
             default: default.unbind(),
             unicode_error: unicode_error.unbind(),
         };
@@ -220,7 +220,7 @@ impl MessengerBase {
         let given = |t: Option<&Bound<'py, PyAny>>| t.filter(|t| !t.is_none()).cloned();
         let (mut service_name, mut correlation_id) = (given(service_name), given(correlation_id));
         if service_name.is_none() || correlation_id.is_none() {
-            let ctx = path.context.bind(py).call_method0(intern!(py, "get"))?;
+            let ctx = path.context_get.bind(py).call0()?;
             let ctx = ctx.cast::<PyTuple>()?;
             if service_name.is_none() {
                 service_name = Some(ctx.get_item(0)?);

@@ -306,6 +306,8 @@ impl ChannelWriter {
     ) -> Result<ChannelWriter, StorageError> {
         let ctx = |what: &str| format!("channel {channel:?}: {what} in {}", dir.display());
         segment::create_dir_all(dir).map_err(|e| io_err(ctx("cannot create directory"), e))?;
+        // `create_dir_all` syncs what it creates; this also covers a channel
+        // directory made by someone who did not (1.4 never syncs directories).
         if let Some(parent) = dir.parent() {
             segment::sync_dir(parent)
                 .map_err(|e| io_err(ctx("cannot sync parent directory"), e))?;
