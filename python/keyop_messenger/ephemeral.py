@@ -13,10 +13,10 @@ import logging
 import os
 import threading
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Any
 
 from . import _core
+from ._closing import _SyncContext
 from .config import Config, load_config
 from .context import resolve
 from .errors import ConfigError, send_batch, unicode_error
@@ -32,7 +32,7 @@ log = logging.getLogger("keyop_messenger")
 CONNECT_TIMEOUT_S = 10.0
 
 
-class EphemeralMessenger:
+class EphemeralMessenger(_SyncContext):
     """A storage-less client of the first hub in ``config.client.hubs``.
 
     Uses the config's ``name`` (sent to the hub; should equal the certificate
@@ -176,15 +176,7 @@ class EphemeralMessenger:
             self._closed = True
         self._client.close()
 
-    def __enter__(self) -> EphemeralMessenger:
+    def _enter(self) -> None:
+        """Entering a ``with`` block connects first."""
         self.connect()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 

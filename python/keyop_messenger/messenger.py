@@ -9,10 +9,10 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from types import TracebackType
 from typing import Any
 
 from . import _core
+from ._closing import _SyncContext
 from .config import Config, load_config
 from .context import _CONTEXT, resolve
 from .errors import send_batch, unicode_error
@@ -39,7 +39,7 @@ def _close_all() -> None:
         m.close()
 
 
-class Messenger(_core.MessengerBase):
+class Messenger(_core.MessengerBase, _SyncContext):
     """A messenger instance owning one data directory.
 
     ``publish(channel, payload_type, payload, *, service_name=None,
@@ -228,17 +228,6 @@ class Messenger(_core.MessengerBase):
         for subscription in list(self._subscriptions):
             subscription._deliverer.stop()
         self._engine.close()
-
-    def __enter__(self) -> Messenger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 from . import _core
+from ._closing import _SyncContext
 from .errors import PayloadTypeError
 from .message import Message
 from .payloads import PayloadRegistry
@@ -71,7 +71,7 @@ class Deliverer:
         return i, None
 
 
-class Subscription:
+class Subscription(_SyncContext):
     """A running subscription. ``close()`` stops delivery and keeps the
     subscriber's offset, so subscribing again with the same id resumes."""
 
@@ -99,17 +99,6 @@ class Subscription:
         persists the offset. Idempotent; may be called from the handler."""
         self._deliverer.stop()
         self._core.close()
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<Subscription {self.channel!r}/{self.subscriber_id!r} at {self.position}>"
