@@ -184,6 +184,32 @@ def hub_for(
     return start(hub_config(pki, hub_dir, [peer(p) for p in peers], port=port))
 
 
+HubAndClient = Callable[..., tuple[Path, Messenger, EphemeralMessenger]]
+
+
+@pytest.fixture
+def hub_and_client(pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter) -> HubAndClient:
+    """``hub_and_client(connect=True, auto_reconnect=False, **options)`` starts
+    a hub in ``tmp_path/hub`` that allows ``node1`` and an ephemeral client of
+    it (``options`` go to :func:`eph_config`), connected unless
+    ``connect=False``; returns ``(hub_dir, hub, eph)``. Both are closed after
+    the test."""
+
+    def _make(
+        *, connect: bool = True, auto_reconnect: bool = False, **options: Any
+    ) -> tuple[Path, Messenger, EphemeralMessenger]:
+        hub_dir = tmp_path / "hub"
+        hub = hub_for(pki, hub_dir, start)
+        eph = ephemeral(
+            eph_config(pki, tmp_path, hub_port(hub), **options), auto_reconnect=auto_reconnect
+        )
+        if connect:
+            eph.connect()
+        return hub_dir, hub, eph
+
+    return _make
+
+
 def no_fed_cursor_files(hub_dir: Path) -> list[Path]:
     """Every ``fed-*`` file anywhere under the hub's subscribers/ tree."""
     root = hub_dir / "subscribers"
@@ -201,13 +227,8 @@ class Reading:
 # ---------------------------------------------------------------------------
 
 
-def test_publish_returns_after_hub_commit(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub)))
-    eph.connect()
+def test_publish_returns_after_hub_commit(tmp_path: Path, hub_and_client: HubAndClient) -> None:
+    hub_dir, hub, eph = hub_and_client()
     assert eph.status()["connected"] is True
 
     ids: list[str] = []
@@ -237,15 +258,10 @@ def test_publish_returns_after_hub_commit(
     assert not (tmp_path / "node1-unused").exists()
 
 
-def test_concurrent_publishes_are_each_acknowledged(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
+def test_concurrent_publishes_are_each_acknowledged(hub_and_client: HubAndClient) -> None:
     """Publishes from several threads share frames; every call returns its
     own ids, each one committed on the hub exactly once."""
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub)))
-    eph.connect()
+    hub_dir, _hub, eph = hub_and_client()
 
     results: dict[int, list[str]] = {}
 
@@ -267,13 +283,8 @@ def test_concurrent_publishes_are_each_acknowledged(
         assert [m.id for m in on_hub if m.payload["t"] == t] == mine
 
 
-def test_metadata_travels_to_the_hub(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub)))
-    eph.connect()
+def test_metadata_travels_to_the_hub(hub_and_client: HubAndClient) -> None:
+    hub_dir, _hub, eph = hub_and_client()
     assert eph.name == "node1"
 
     plain = eph.publish("temps", "test.Reading", {"n": 0})
@@ -304,16 +315,10 @@ def test_metadata_travels_to_the_hub(
     assert all(abs(m.timestamp.timestamp() - now) < 60 for m in got.values())
 
 
-def test_origin_is_the_config_name(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
+def test_origin_is_the_config_name(hub_and_client: HubAndClient) -> None:
     """The hub identifies the peer by certificate CN; ``origin`` is the
     configured instance name."""
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    cfg = eph_config(pki, tmp_path, hub_port(hub), name="script-7", cert_name="node1")
-    eph = ephemeral(cfg)
-    eph.connect()
+    hub_dir, hub, eph = hub_and_client(name="script-7", cert_name="node1")
     wait_peers(hub, "node1")
     msg_id = eph.publish("temps", "test.Reading", {"n": 1})
     (m,) = stored(hub_dir, "temps")
@@ -386,13 +391,9 @@ def test_subscribe_receives_live_messages_only(
     assert no_fed_cursor_files(hub_dir) == []
 
 
-def test_publish_from_inside_a_handler(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
+def test_publish_from_inside_a_handler(hub_and_client: HubAndClient) -> None:
     """Request/reply: a live listener answers each command with a publish."""
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub), subscribe=["cmds"]))
+    hub_dir, hub, eph = hub_and_client(subscribe=["cmds"], connect=False)
     outcomes: list[Any] = []
 
     def reply(msg: Any) -> None:
@@ -413,12 +414,8 @@ def test_publish_from_inside_a_handler(
     assert (stored_reply.id, stored_reply.payload) == (reply_id, {"to": cmd})
 
 
-def test_handler_error_does_not_stop_delivery(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub), subscribe=["cmds"]))
+def test_handler_error_does_not_stop_delivery(hub_and_client: HubAndClient) -> None:
+    hub_dir, hub, eph = hub_and_client(subscribe=["cmds"], connect=False)
     inbox = Inbox()
     calls: list[str] = []
 
@@ -459,12 +456,8 @@ def test_connect_to_a_down_hub_fails_fast(pki: PKI, tmp_path: Path, ephemeral: E
         bounded(lambda: eph.publish("temps", "test.Reading", {}))
 
 
-def test_publish_before_connect_fails(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub)))
+def test_publish_before_connect_fails(hub_and_client: HubAndClient) -> None:
+    hub_dir, _hub, eph = hub_and_client(connect=False)
     with pytest.raises(ConnectionLostError):
         bounded(lambda: eph.publish("temps", "test.Reading", {}))
     with pytest.raises(ConnectionLostError):
@@ -477,13 +470,8 @@ def test_publish_before_connect_fails(
     assert stored_ids(hub_dir, "temps") == [msg_id]
 
 
-def test_publish_after_hub_closes_fails_promptly(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub)))
-    eph.connect()
+def test_publish_after_hub_closes_fails_promptly(hub_and_client: HubAndClient) -> None:
+    hub_dir, hub, eph = hub_and_client()
     first = eph.publish("temps", "test.Reading", {"n": 0})
     hub.close()
 
@@ -508,12 +496,10 @@ def test_publish_after_hub_closes_fails_promptly(
 
 
 def test_auto_reconnect_across_hub_restart(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
+    pki: PKI, start: Starter, hub_and_client: HubAndClient
 ) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
+    hub_dir, hub, eph = hub_and_client(subscribe=["cmds"], auto_reconnect=True, connect=False)
     port = hub_port(hub)
-    eph = ephemeral(eph_config(pki, tmp_path, port, subscribe=["cmds"]), auto_reconnect=True)
     inbox = Inbox()
     eph.subscribe("cmds", inbox)
     eph.connect()
@@ -562,14 +548,10 @@ def test_connect_with_auto_reconnect_waits_for_the_hub(
 
 @pytest.mark.parametrize("capacity", [1, 3])
 def test_full_buffer_raises_at_once(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter, capacity: int
+    pki: PKI, start: Starter, hub_and_client: HubAndClient, capacity: int
 ) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
+    hub_dir, hub, eph = hub_and_client(send_buffer_messages=capacity, auto_reconnect=True)
     port = hub_port(hub)
-    cfg = eph_config(pki, tmp_path, port, send_buffer_messages=capacity)
-    eph = ephemeral(cfg, auto_reconnect=True)
-    eph.connect()
     eph.publish("temps", "test.Reading", {"n": 0})
     hub.close()
     wait_until(lambda: eph.status()["connected"] is False, "the client to see the hub go")
@@ -598,13 +580,8 @@ def test_full_buffer_raises_at_once(
     eph.publish("temps", "test.Reading", {"n": 99})
 
 
-def test_close_fails_pending_publishes(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub)), auto_reconnect=True)
-    eph.connect()
+def test_close_fails_pending_publishes(hub_and_client: HubAndClient) -> None:
+    _hub_dir, hub, eph = hub_and_client(auto_reconnect=True)
     hub.close()
     wait_until(lambda: eph.status()["connected"] is False, "the client to see the hub go")
     pending = [Call(lambda: eph.publish("temps", "test.Reading", {})) for _ in range(3)]
@@ -692,12 +669,8 @@ def test_config_file_path_is_accepted(
 # ---------------------------------------------------------------------------
 
 
-def test_invalid_channel_and_payload_type(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub)))
+def test_invalid_channel_and_payload_type(hub_and_client: HubAndClient) -> None:
+    hub_dir, _hub, eph = hub_and_client(connect=False)
     # Names are checked before anything else, connected or not.
     for bad in ("", "a/b", "..", "x.dead-letter", "sp ace"):
         with pytest.raises(InvalidNameError):
@@ -743,11 +716,9 @@ def test_publish_outside_the_peer_policy_is_not_stored(
 
 
 def test_unknown_peer_is_rejected(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
+    pki: PKI, tmp_path: Path, ephemeral: EphStarter, hub_and_client: HubAndClient
 ) -> None:
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub), name="intruder"))
+    hub_dir, hub, eph = hub_and_client(name="intruder", connect=False)
     call = Call(eph.connect).wait(PROMPT_S)
     assert isinstance(call.error, ConnectionLostError), call.error
     assert "reject" in str(call.error).lower(), str(call.error)
@@ -798,7 +769,7 @@ def intact(payload: Any) -> bool:
 
 
 def test_concurrent_publishes_deliveries_and_acks_keep_the_stream_intact(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
+    hub_and_client: HubAndClient,
 ) -> None:
     """The original ephemeral client wrote frames without the connection write
     lock, racing the acknowledgements of received frames (concurrent WebSocket
@@ -806,9 +777,7 @@ def test_concurrent_publishes_deliveries_and_acks_keep_the_stream_intact(
     64 KiB while the hub streams batches the client acknowledges and a handler
     publishes replies: every message must arrive intact both ways, and the one
     connection must never drop (no reconnect, no peer_disconnected)."""
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub), subscribe=["cmds"]))
+    hub_dir, hub, eph = hub_and_client(subscribe=["cmds"], connect=False)
     inbox = Inbox()
     replies: list[str] = []
 
@@ -867,18 +836,13 @@ def test_concurrent_publishes_deliveries_and_acks_keep_the_stream_intact(
     )
 
 
-def test_frames_stay_within_the_hubs_message_limit(
-    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
-) -> None:
+def test_frames_stay_within_the_hubs_message_limit(hub_and_client: HubAndClient) -> None:
     """Weak spot 18 of 1.4: a frame over the hub's WebSocket limit costs the
     connection and every publish merged into it. A batch that cannot fit one
     frame is refused before it is sent; concurrent big publishes are merged
     only up to max_batch_bytes, the rest carried to the next frame, and all
     are acknowledged."""
-    hub_dir = tmp_path / "hub"
-    hub = hub_for(pki, hub_dir, start)
-    eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub)))
-    eph.connect()
+    hub_dir, _hub, eph = hub_and_client()
     big = {"b": "x" * (5 * 2**20)}  # three of these exceed one frame's limit
     with pytest.raises(MessageTooLargeError):
         eph.publish_batch("temps", [("t", big)] * 3)
