@@ -142,7 +142,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 try:
     from pyspark.sql.datasource import (
@@ -230,6 +230,7 @@ _ARROW_BATCH_ROWS = 8192
 _SEGMENT_RE = re.compile(r"^(\d+)\.jsonl$")
 _UTC = datetime.timezone.utc
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=_UTC)
+_N = TypeVar("_N", int, float)
 
 
 def register(spark: SparkSession) -> None:
@@ -258,32 +259,26 @@ class _Options:
         return value
 
     def number(self, key: str, default: float, *, minimum: float = 0.0) -> float:
-        text = self.get(key)
-        if text is None or text == "":
-            return default
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(
-                f"keyop data source: option {key!r} must be a number, got {text!r}"
-            ) from None
-        if not math.isfinite(value) or value < minimum:
-            raise ValueError(
-                f"keyop data source: option {key!r} must be >= {minimum}, got {text!r}"
-            )
-        return value
+        return self._parsed(key, default, float, "a number", minimum)
 
     def integer(self, key: str, default: int, *, minimum: int = 0) -> int:
+        return self._parsed(key, default, int, "an integer", minimum)
+
+    def _parsed(
+        self, key: str, default: _N, parse: Callable[[str], _N], kind: str, minimum: _N
+    ) -> _N:
+        """The option read by ``parse`` (``default`` when unset or empty);
+        raises unless it is ``kind``, finite and at least ``minimum``."""
         text = self.get(key)
         if text is None or text == "":
             return default
         try:
-            value = int(text)
+            value = parse(text)
         except ValueError:
             raise ValueError(
-                f"keyop data source: option {key!r} must be an integer, got {text!r}"
+                f"keyop data source: option {key!r} must be {kind}, got {text!r}"
             ) from None
-        if value < minimum:
+        if (isinstance(value, float) and not math.isfinite(value)) or value < minimum:
             raise ValueError(
                 f"keyop data source: option {key!r} must be >= {minimum}, got {text!r}"
             )
