@@ -1470,15 +1470,24 @@ def _report(
     os.replace(tmp, path)
 
 
+def _publish_arrow(spec: _WriteSpec, batches: Iterable[pa.RecordBatch]) -> PartitionCommit:
+    """Publishes this task's Arrow batches, one payload per row."""
+    encoder = spec.encoder
+    return publish_payloads(spec, (p for batch in batches for p in encoder.from_arrow(batch)))
+
+
+def _publish_rows(spec: _WriteSpec, rows: Iterable[Row]) -> PartitionCommit:
+    """Publishes this task's Rows, one payload per row."""
+    encoder = spec.encoder
+    return publish_payloads(spec, (encoder.from_row(r) for r in rows))
+
+
 class _BatchWriter(DataSourceArrowWriter):
     def __init__(self, spec: _WriteSpec) -> None:
         self.spec = spec
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionCommit:
-        encoder = self.spec.encoder
-        return publish_payloads(
-            self.spec, (p for batch in iterator for p in encoder.from_arrow(batch))
-        )
+        return _publish_arrow(self.spec, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         _report(self.spec, messages, aborted=False)
@@ -1492,8 +1501,7 @@ class _StreamRowWriter(DataSourceStreamWriter):
         self.spec = spec
 
     def write(self, iterator: Iterator[Row]) -> PartitionCommit:
-        encoder = self.spec.encoder
-        return publish_payloads(self.spec, (encoder.from_row(r) for r in iterator))
+        return _publish_rows(self.spec, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         _report(self.spec, messages, aborted=False, batch_id=batchId)
@@ -1509,10 +1517,7 @@ if _StreamArrowWriterBase is not None:
             self.spec = spec
 
         def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionCommit:
-            encoder = self.spec.encoder
-            return publish_payloads(
-                self.spec, (p for batch in iterator for p in encoder.from_arrow(batch))
-            )
+            return _publish_arrow(self.spec, iterator)
 
         def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
             _report(self.spec, messages, aborted=False, batch_id=batchId)
@@ -1585,6 +1590,5 @@ class _PartitionPublisher:
         self.counter = counter
 
     def __call__(self, rows: Iterable[Row]) -> None:
-        encoder = self.spec.encoder
-        commit = publish_payloads(self.spec, (encoder.from_row(r) for r in rows))
+        commit = _publish_rows(self.spec, rows)
         self.counter.add(commit.rows)
