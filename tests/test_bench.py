@@ -55,6 +55,23 @@ def test_raw_fdatasync_probe_syncs_whole_batches(
     assert sample.per_s == pytest.approx(len(synced) / 0.05, rel=0.5)
 
 
+def test_group_commit_ceiling_takes_the_better_of_its_two_shapes() -> None:
+    # A fast disk (125 us per fdatasync) against 8 us hand-offs: two batches of
+    # 8 threads, one syncing while the other gathers, beat one batch of 16.
+    assert bench.group_commit_ceiling(8000, 8.0, 16) == pytest.approx(64_000)
+    # A slow disk (1 ms): one batch of all 16 plus 16 hand-offs per fdatasync.
+    assert bench.group_commit_ceiling(1000, 8.0, 16) == pytest.approx(16e6 / 1128)
+    # Free hand-offs: 16 records per fdatasync.
+    assert bench.group_commit_ceiling(1000, 0.0, 16) == pytest.approx(16_000)
+
+
+def test_thread_handoff_probe_ends_its_ring(tmp_path: Path) -> None:
+    before = threading.active_count()
+    us = Suite(tmp_path, 0.1, 1).thread_handoff(threads=4, hops=2000)
+    assert 0 < us < 1e6
+    assert threading.active_count() == before
+
+
 def test_one_core_comparison_says_it_needs_two_cpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -113,6 +130,8 @@ def test_quick_bench_prints_every_figure() -> None:
         "cpu_us_per_delivery",
         "raw_fdatasync_16_records_per_s",
         "publish_durable_16_disk_ceiling_ratio",
+        "thread_handoff_16_us",
+        "publish_durable_16_handoff_ceiling_ratio",
     ):
         assert results[key] > 0, key
     if "one_core_skipped" not in results:

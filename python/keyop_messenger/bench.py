@@ -64,6 +64,25 @@ def _median(runs: int, measure: Callable[[], Sample]) -> Sample:
     return Sample(*(statistics.median(field) for field in zip(*samples, strict=True)))
 
 
+def group_commit_ceiling(fdatasync_per_s: float, handoff_us: float, threads: int) -> float:
+    """The most messages/s that ``threads`` durable publishers can commit.
+
+    The limit holds for any group commit that runs one fdatasync at a time
+    (a file's fdatasyncs are serial on ext4), each taking ``1 /
+    fdatasync_per_s``, where each publisher has one message in flight and
+    publishers come back from a commit one at a time, ``handoff_us`` apart (the
+    GIL: each one sleeps until its commit and must take the GIL back). Either
+    the threads split into two batches, one gathering while the other syncs
+    (``threads / 2`` per fdatasync), or every thread joins each batch and the
+    disk idles while they come back (``threads`` per fdatasync plus
+    ``threads`` hand-offs).
+    """
+    sync_us = 1e6 / fdatasync_per_s
+    two_batches = threads / 2 / sync_us
+    one_batch = threads / (sync_us + threads * handoff_us)
+    return max(two_batches, one_batch) * 1e6
+
+
 def _rate(seconds: float, step: Callable[[], int]) -> Sample:
     """Runs ``step`` (returns messages done) for ``seconds``."""
     done = 0
@@ -154,6 +173,39 @@ class Suite:
         finally:
             os.close(fd)
             path.unlink()
+
+    def thread_handoff(self, threads: int = 16, hops: int = 20_000) -> float:
+        """Microseconds per hand-off in a ring of ``threads`` Python threads.
+        Each thread sleeps with the GIL released until the one before it wakes
+        it, then takes the GIL back. A durable publisher among many does the
+        same once per message (it sleeps until its commit), so this is the
+        interpreter's and the machine's share of every such message, whatever
+        the engine does."""
+        locks = [threading.Lock() for _ in range(threads)]
+        for lock in locks:
+            lock.acquire()
+        done = [0]
+
+        def member(i: int) -> None:
+            mine, following = locks[i], locks[(i + 1) % threads]
+            while True:
+                mine.acquire()
+                if done[0] >= hops:
+                    following.release()
+                    return
+                done[0] += 1
+                following.release()
+
+        ring = [threading.Thread(target=member, args=(i,), daemon=True) for i in range(threads)]
+        for t in ring:
+            t.start()
+        started = time.perf_counter()
+        locks[0].release()
+        for t in ring:
+            t.join(timeout=60)
+            if t.is_alive():
+                raise RuntimeError("thread hand-off probe did not finish in 60 s")
+        return (time.perf_counter() - started) * 1e6 / hops
 
     def publish_threads(self, threads: int) -> Sample:
         with self.messenger(0) as m:
@@ -573,15 +625,24 @@ def run(
         suite.record("raw_fdatasync_16_records_per_s", raw16.per_s,
                      "raw write+fdatasync (16 x 200 B)",
                      f"{raw16.per_s / raw.per_s:.2f} x raw")
+        handoff = statistics.median(suite.thread_handoff() for _ in range(runs))
+        suite.record("thread_handoff_16_us", handoff,
+                     "hand-off in a ring of 16 Python threads (us)",
+                     "wake a thread sleeping without the GIL; it takes the GIL", decimals=1)
         durable = {t: _median(runs, partial(suite.publish_threads, t)) for t in (1, 4, 16, 64)}
         ceiling_16 = 16 * raw16.per_s / durable[1].per_s
         suite.value("publish_durable_16_disk_ceiling_ratio", ceiling_16, decimals=2)
+        handoff_ceiling_16 = (group_commit_ceiling(raw.per_s, handoff, 16)
+                              / durable[1].per_s)
+        suite.value("publish_durable_16_handoff_ceiling_ratio", handoff_ceiling_16, decimals=2)
         for threads, rate in durable.items():
             ratio = (f"{rate.per_s / raw.per_s:.2f} x raw" if threads == 1
                      else f"{rate.per_s / durable[1].per_s:.1f} x 1 thread")
             if threads == 16:
                 ratio += (f" (disk ceiling {ceiling_16:.1f} x: 16 records per raw "
-                          "16-record fdatasync); target >= 10 x")
+                          f"16-record fdatasync; hand-off ceiling {handoff_ceiling_16:.1f} x: "
+                          "one fdatasync at a time, threads back one hand-off apart); "
+                          "target >= 10 x")
             suite.record(f"publish_durable_{threads}_per_s", rate.per_s,
                          f"durable publish, {threads} thread(s)", ratio)
         batch = {s: _median(runs, partial(suite.publish_batch, s)) for s in (10, 100, 1000)}
