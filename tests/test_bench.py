@@ -72,6 +72,25 @@ def test_thread_handoff_probe_ends_its_ring(tmp_path: Path) -> None:
     assert threading.active_count() == before
 
 
+def test_thread_handoff_probe_pins_only_its_ring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pinned, the ring's threads run on the one CPU; the caller keeps its own."""
+    mask = bench.os.sched_getaffinity(0)
+    cpu = min(mask)
+    seen: list[set[int]] = []
+
+    class Spy(threading.Thread):
+        def run(self) -> None:
+            seen.append(bench.os.sched_getaffinity(0))
+            super().run()
+
+    monkeypatch.setattr(bench.threading, "Thread", Spy)
+    Suite(tmp_path, 0.1, 1).thread_handoff(threads=3, hops=30, cpu=cpu)
+    assert seen == [{cpu}] * 3
+    assert bench.os.sched_getaffinity(0) == mask
+
+
 def test_one_core_comparison_says_it_needs_two_cpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
