@@ -206,6 +206,21 @@ struct ValueSeed<'a, 'py> {
     keys: &'a mut HashMap<Box<str>, Py<PyString>, RandomState>,
 }
 
+impl<'py> ValueSeed<'_, 'py> {
+    /// A seed for a nested value, sharing the key cache.
+    fn value(&mut self) -> ValueSeed<'_, 'py> {
+        ValueSeed {
+            py: self.py,
+            keys: &mut *self.keys,
+        }
+    }
+
+    /// A seed for a dict key, sharing the key cache.
+    fn key(&mut self) -> KeySeed<'_, 'py> {
+        KeySeed(self.value())
+    }
+}
+
 impl<'de, 'py> DeserializeSeed<'de> for ValueSeed<'_, 'py> {
     type Value = Bound<'py, PyAny>;
 
@@ -249,27 +264,18 @@ impl<'de, 'py> Visitor<'de> for ValueSeed<'_, 'py> {
         Ok(PyString::new(self.py, v).into_any())
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<Self::Value, A::Error> {
         let list = PyList::empty(self.py);
-        while let Some(item) = seq.next_element_seed(ValueSeed {
-            py: self.py,
-            keys: &mut *self.keys,
-        })? {
+        while let Some(item) = seq.next_element_seed(self.value())? {
             list.append(item).map_err(py_err)?;
         }
         Ok(list.into_any())
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<Self::Value, A::Error> {
         let dict = PyDict::new(self.py);
-        while let Some(key) = map.next_key_seed(KeySeed {
-            py: self.py,
-            keys: &mut *self.keys,
-        })? {
-            let value = map.next_value_seed(ValueSeed {
-                py: self.py,
-                keys: &mut *self.keys,
-            })?;
+        while let Some(key) = map.next_key_seed(self.key())? {
+            let value = map.next_value_seed(self.value())?;
             dict.set_item(key, value).map_err(py_err)?;
         }
         Ok(dict.into_any())
@@ -277,10 +283,7 @@ impl<'de, 'py> Visitor<'de> for ValueSeed<'_, 'py> {
 }
 
 /// A dict key: a cached `str` object when the key was seen before.
-struct KeySeed<'a, 'py> {
-    py: Python<'py>,
-    keys: &'a mut HashMap<Box<str>, Py<PyString>, RandomState>,
-}
+struct KeySeed<'a, 'py>(ValueSeed<'a, 'py>);
 
 impl<'de, 'py> DeserializeSeed<'de> for KeySeed<'_, 'py> {
     type Value = Bound<'py, PyString>;
@@ -298,17 +301,18 @@ impl<'de, 'py> Visitor<'de> for KeySeed<'_, 'py> {
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        let ValueSeed { py, keys } = self.0;
         if v.len() > MAX_CACHED_KEY {
-            return Ok(PyString::new(self.py, v));
+            return Ok(PyString::new(py, v));
         }
-        if let Some(obj) = self.keys.get(v) {
-            return Ok(obj.bind(self.py).clone());
+        if let Some(obj) = keys.get(v) {
+            return Ok(obj.bind(py).clone());
         }
-        if self.keys.len() >= MAX_CACHED_KEYS {
-            self.keys.clear();
+        if keys.len() >= MAX_CACHED_KEYS {
+            keys.clear();
         }
-        let obj = PyString::new(self.py, v);
-        self.keys.insert(v.into(), obj.clone().unbind());
+        let obj = PyString::new(py, v);
+        keys.insert(v.into(), obj.clone().unbind());
         Ok(obj)
     }
 }
