@@ -230,6 +230,49 @@ fn wire(c: &mut Criterion) {
     g.finish();
 }
 
+/// The machine, not the engine: a ring of [`THREADS`] threads, each asleep
+/// on its own futex word until the one before wakes it. One hop is what a
+/// group commit pays per caller it wakes; compare it pinned to one CPU
+/// (`taskset -c 0`), where a wake-up is a context switch.
+fn probe(c: &mut Criterion) {
+    let mut g = c.benchmark_group("probe");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function(format!("futex_ring/{THREADS}_threads"), |b| {
+        b.iter_custom(futex_ring)
+    });
+    g.finish();
+}
+
+/// Times `hops` hand-offs around the ring.
+fn futex_ring(hops: u64) -> Duration {
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    let words: Vec<AtomicU32> = (0..THREADS).map(|_| AtomicU32::new(0)).collect();
+    let done = AtomicU64::new(0);
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for i in 0..words.len() {
+            let (words, done) = (&words, &done);
+            s.spawn(move || loop {
+                while words[i].swap(0, Ordering::AcqRel) == 0 {
+                    atomic_wait::wait(&words[i], 0);
+                }
+                let hop = done.fetch_add(1, Ordering::AcqRel);
+                let next = &words[(i + 1) % words.len()];
+                next.store(1, Ordering::Release);
+                atomic_wait::wake_one(next);
+                // Each thread leaves after passing the turn on past the end,
+                // so the next one wakes and leaves too.
+                if hop >= hops {
+                    return;
+                }
+            });
+        }
+        words[0].store(1, Ordering::Release);
+        atomic_wait::wake_one(&words[0]);
+    });
+    started.elapsed()
+}
+
 fn config() -> Criterion {
     // Shorter than criterion's defaults (3 s + 5 s) to keep the suite to a
     // couple of minutes; --warm-up-time and --measurement-time override.
@@ -241,6 +284,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = envelope, append, reader, wire
+    targets = envelope, append, reader, wire, probe
 }
 criterion_main!(benches);
