@@ -59,13 +59,24 @@ def cli(
 
 
 def popen(*argv: str | Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "keyop_messenger.cli", *map(str, argv)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    """Starts the CLI with Ctrl-C (SIGINT) as a terminal gives it, even when
+    these tests run in a shell's background job, which ignores SIGINT (an
+    ignored signal stays ignored across exec, and Python then never raises
+    KeyboardInterrupt; a handled one is reset to the default)."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "keyop_messenger.cli", *map(str, argv)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class Lines:
