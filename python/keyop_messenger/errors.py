@@ -11,14 +11,20 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "ChannelNotFoundError",
     "ClosedError",
     "ConfigError",
     "DataDirLockedError",
+    "DataDirNotFoundError",
+    "DataLossError",
     "FederationError",
+    "ForkedProcessError",
     "InvalidNameError",
     "KeyopError",
+    "KeyopTimeoutError",
     "MessageTooLargeError",
     "PayloadTypeError",
+    "PolicyError",
     "StorageError",
     "SubscriptionError",
     "send_batch",
@@ -70,6 +76,40 @@ class DataDirLockedError(StorageError):
     different ``storage.data_dir``, or publish through a hub with an
     :class:`~keyop_messenger.EphemeralMessenger`; read a held directory with
     :func:`~keyop_messenger.read_channel`."""
+
+
+class DataDirNotFoundError(StorageError, FileNotFoundError):
+    """The data directory does not exist. Only opening a :class:`~keyop_messenger.Messenger`
+    creates one; readers (``read_channel``, the CLI, the Spark source) never do. Check
+    the path, or open a Messenger on it first."""
+
+
+class ChannelNotFoundError(StorageError, FileNotFoundError):
+    """The channel does not exist in the data directory (no ``channels/<name>/``
+    folder): check its spelling, or publish to it first."""
+
+
+class DataLossError(KeyopError, RuntimeError):
+    """Data a reader was positioned on is gone (deleted by retention, a removed or
+    truncated segment): the message says which channel and which byte range.
+    Nothing is skipped silently; pass the read path's ``skip_gaps``-style option
+    to go on past the gap."""
+
+
+class PolicyError(KeyopError, PermissionError):
+    """A hub refused what was sent: the channel is not in this peer's allowlist,
+    the record is over the hub's size limit, or it is not a valid record. The
+    message names the channel and the hub. Nothing refused was acknowledged."""
+
+
+class ForkedProcessError(KeyopError, RuntimeError):
+    """The object was opened in another process (before ``os.fork()``). Its files,
+    threads and connections belong to the parent: open a new one in the child."""
+
+
+class KeyopTimeoutError(KeyopError, TimeoutError):
+    """A bounded wait ran out (connect, publish, flush or close); the message
+    says what was still pending. Catch it as the built-in ``TimeoutError``."""
 
 
 class ClosedError(KeyopError, RuntimeError):

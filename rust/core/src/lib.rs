@@ -9,6 +9,7 @@ pub mod engine;
 pub mod envelope;
 pub mod federation;
 pub mod keygen;
+pub mod lograte;
 pub mod stats;
 pub mod storage;
 pub mod subscribe;
@@ -39,6 +40,18 @@ pub enum Error {
     ConnectionLost(String),
     #[error("{0}")]
     BufferFull(String),
+    /// A hub refused a record (allowlist, size, validity); it was not stored.
+    #[error("{0}")]
+    Policy(String),
+    /// The object was opened in another process (before a fork).
+    #[error("{0}")]
+    Forked(String),
+    /// Data a reader was positioned on is gone; nothing was skipped.
+    #[error("{0}")]
+    DataLoss(String),
+    /// A bounded wait ran out; the message says what was pending.
+    #[error("{0}")]
+    Timeout(String),
     #[error(transparent)]
     Storage(StorageError),
 }

@@ -25,6 +25,12 @@ pub enum Kind {
     Certificate,
     ConnectionLost,
     BufferFull,
+    Policy,
+    Forked,
+    DataLoss,
+    Timeout,
+    DataDirNotFound,
+    ChannelNotFound,
 }
 
 impl Kind {
@@ -42,11 +48,23 @@ impl Kind {
             Kind::Certificate => "CertificateError",
             Kind::ConnectionLost => "ConnectionLostError",
             Kind::BufferFull => "BufferFullError",
+            Kind::Policy => "PolicyError",
+            Kind::Forked => "ForkedProcessError",
+            Kind::DataLoss => "DataLossError",
+            Kind::Timeout => "KeyopTimeoutError",
+            Kind::DataDirNotFound => "DataDirNotFoundError",
+            Kind::ChannelNotFound => "ChannelNotFoundError",
         }
     }
 }
 
-static CLASSES: [PyOnceLock<Py<PyType>>; 12] = [
+static CLASSES: [PyOnceLock<Py<PyType>>; 18] = [
+    PyOnceLock::new(),
+    PyOnceLock::new(),
+    PyOnceLock::new(),
+    PyOnceLock::new(),
+    PyOnceLock::new(),
+    PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
     PyOnceLock::new(),
@@ -87,11 +105,17 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Closed(_) => Kind::Closed,
         Error::Config(_) => Kind::Config,
         Error::Storage(StorageError::Locked(_)) => Kind::DataDirLocked,
+        Error::Storage(StorageError::DataDirNotFound(_)) => Kind::DataDirNotFound,
+        Error::Storage(StorageError::ChannelNotFound { .. }) => Kind::ChannelNotFound,
         Error::Storage(_) => Kind::Storage,
         Error::Subscription(_) => Kind::Subscription,
         Error::Federation(_) => Kind::Federation,
         Error::ConnectionLost(_) => Kind::ConnectionLost,
         Error::BufferFull(_) => Kind::BufferFull,
+        Error::Policy(_) => Kind::Policy,
+        Error::Forked(_) => Kind::Forked,
+        Error::DataLoss(_) => Kind::DataLoss,
+        Error::Timeout(_) => Kind::Timeout,
     };
     new_err(py, kind, e.to_string())
 }

@@ -46,6 +46,12 @@ pub enum StorageError {
     /// A name that would become a path was refused.
     #[error(transparent)]
     Name(#[from] NameError),
+    /// A reader was pointed at a data directory that does not exist.
+    #[error("data directory {0} does not exist (only opening a messenger creates one)")]
+    DataDirNotFound(PathBuf),
+    /// A reader was pointed at a channel that does not exist.
+    #[error("channel {channel:?} does not exist in data directory {data_dir}")]
+    ChannelNotFound { data_dir: PathBuf, channel: String },
 }
 
 impl StorageError {
