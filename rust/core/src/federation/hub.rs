@@ -79,6 +79,7 @@ impl Hub {
             reason: e.to_string(),
         })?;
         log::info!("hub {:?} listening on {addr}", shared.name);
+        crate::memtrim::configure();
         let counters = Arc::new(HubCounters::default());
         let peers = Arc::new(Mutex::new(HashMap::new()));
         let ephemeral = Arc::new(Mutex::new(HashMap::new()));
