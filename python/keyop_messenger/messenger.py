@@ -8,7 +8,7 @@ import json
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from . import _core
@@ -22,7 +22,12 @@ from .payloads import PayloadRegistry, to_plain
 from .stats import Stats, stats_from_engine
 from .subscription import Deliverer, Handler, Subscription
 
-__all__ = ["Messenger", "read_channel"]
+__all__ = ["GapHandler", "Messenger", "read_channel"]
+
+GapHandler = Callable[[str, str, int, int], Any]
+"""``on_gap(channel, subscriber_id, from_offset, to_offset)``: bytes
+``from_offset..to_offset`` of the channel were gone before the subscriber read
+them (deleted by retention, a removed or truncated segment)."""
 
 _MIB = 1024 * 1024
 #: Seconds between retention passes (as in keyop-messenger 1.4).
@@ -148,7 +153,14 @@ class Messenger(_core.MessengerBase, _SyncContext):
         service, corr = resolve(service_name, correlation_id)
         return send_batch(self._engine.publish_batch, channel, pairs, service, corr, to_plain)
 
-    def subscribe(self, channel: str, subscriber_id: str, handler: Handler) -> Subscription:
+    def subscribe(
+        self,
+        channel: str,
+        subscriber_id: str,
+        handler: Handler,
+        *,
+        on_gap: GapHandler | None = None,
+    ) -> Subscription:
         """Delivers ``channel`` to ``handler`` as subscriber ``subscriber_id``.
 
         A new id starts at the current end of the channel; a known id resumes
@@ -158,11 +170,23 @@ class Messenger(_core.MessengerBase, _SyncContext):
         ``subscribers.max_retries`` times, then the message goes to
         ``<channel>.dead-letter``. A payload that does not decode into its
         registered type is dead-lettered at once; unregistered types arrive as
-        plain JSON data. Raises :class:`InvalidNameError` for bad names (ids
-        starting with ``fed-`` are reserved) and :class:`SubscriptionError` if
-        the id is already subscribed to the channel.
+        plain JSON data. A record that cannot be read at all (not an envelope,
+        or a payload nested too deep) is quarantined (copied to
+        ``<data_dir>/quarantine/<channel>/<offset>.jsonl``) and dead-lettered
+        with the reason; its neighbours are delivered as usual.
+
+        When data the subscriber had not read is gone (deleted by retention,
+        a removed or truncated segment), delivery goes on after it and the gap
+        is reported: a WARNING log, ``Stats.data_loss``, and
+        ``on_gap(channel, subscriber_id, from_offset, to_offset)`` if given
+        (called on the delivery thread; an exception it raises is printed).
+
+        Raises :class:`InvalidNameError` for bad names (ids starting with
+        ``fed-`` are reserved) and :class:`SubscriptionError` if the id is
+        already subscribed to the channel.
         """
         deliverer = Deliverer(handler, self._registry, channel, subscriber_id)
+        gap = None if on_gap is None else _gap_reporter(on_gap, channel, subscriber_id)
         try:
             core = self._engine.subscribe(
                 channel,
@@ -170,6 +194,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
                 deliverer,
                 max_retries=self._config.subscribers.max_retries,
                 offset_flush_interval_ms=self._config.storage.offset_flush_interval_ms,
+                on_gap=gap,
             )
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel, subscriber_id=subscriber_id) from None
@@ -193,11 +218,20 @@ class Messenger(_core.MessengerBase, _SyncContext):
         removed_offset_ids)``."""
         return self._engine.compact(**self._retention())
 
-    def read_channel(self, channel: str, *, start_offset: int = 0) -> Iterator[LogEntry]:
+    def read_channel(
+        self, channel: str, *, start_offset: int = 0, skip_gaps: bool = False
+    ) -> Iterator[LogEntry]:
         """Iterates the committed messages of ``channel`` from ``start_offset``
-        (a global byte offset), decoding payloads with the registered types."""
+        (a global byte offset; 0 means the oldest record kept), decoding
+        payloads with the registered types.
+
+        Unreadable records are quarantined (see :meth:`subscribe`) and passed
+        over. If bytes after ``start_offset`` are gone (deleted by retention,
+        a removed or truncated segment), raises :class:`DataLossError` naming
+        the byte range, unless ``skip_gaps`` (then the gap is only logged and
+        counted in ``Stats.data_loss``)."""
         try:
-            rows = self._engine.read(channel, start_offset)
+            rows = self._engine.read(channel, start_offset, skip_gaps=skip_gaps)
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel) from None
         for row in rows:
@@ -234,6 +268,17 @@ class Messenger(_core.MessengerBase, _SyncContext):
         return f"<Messenger {self.name!r} data_dir={self._config.storage.data_dir!r} {state}>"
 
 
+def _gap_reporter(
+    on_gap: GapHandler, channel: str, subscriber_id: str
+) -> Callable[[int, int], None]:
+    """The engine's ``on_gap(from, to)`` calling the user's with the names."""
+
+    def gap(start: int, end: int) -> None:
+        on_gap(channel, subscriber_id, start, end)
+
+    return gap
+
+
 def _federation_settings(config: Config) -> dict[str, Any]:
     """The engine's federation settings, from a validated config."""
     ttl = config.hub.fed_client_offset_ttl.total_seconds()
@@ -268,12 +313,16 @@ def read_channel(
     *,
     start_offset: int = 0,
     registry: PayloadRegistry | None = None,
+    skip_gaps: bool = False,
 ) -> Iterator[LogEntry]:
     """Iterates the messages of ``channel`` in any data directory, also one
     written by keyop-messenger 1.4 or in use by another process. Only whole
-    records are returned; unreadable lines are skipped with a warning."""
+    records are returned. Unreadable records are quarantined (copied to
+    ``<data_dir>/quarantine/<channel>/<offset>.jsonl``, logged once) and
+    passed over. Bytes gone after ``start_offset`` (0: the oldest record kept)
+    raise :class:`DataLossError` naming the byte range, unless ``skip_gaps``."""
     try:
-        rows = _core.read_channel(os.fspath(data_dir), channel, start_offset)
+        rows = _core.read_channel(os.fspath(data_dir), channel, start_offset, skip_gaps=skip_gaps)
     except UnicodeEncodeError as exc:
         raise unicode_error(exc, channel=channel) from None
     for row in rows:
