@@ -139,3 +139,32 @@ def test_a_truncated_sealed_segment_is_a_gap_for_subscribers(tmp_path: Path) -> 
     assert gaps == [(CH, "s", kept, segs[1])]
     assert got[:10] == ids[:10]
     assert got[-1] == ids[-1]
+
+
+def test_async_subscriber_gets_on_gap(tmp_path: Path) -> None:
+    import asyncio
+
+    from keyop_messenger.aio import AsyncMessenger
+
+    config = make_config(tmp_path, compaction_threshold_mb=1)
+    data_dir = Path(config.storage.data_dir)
+    with Messenger(config) as m:
+        m.subscribe(CH, "slow", lambda msg: None).close()
+        ids = fill(m)
+    segs = segments(data_dir)
+    segment_path(data_dir, segs[0]).unlink()
+    gaps: list[tuple[str, str, int, int]] = []
+
+    async def main() -> None:
+        last = asyncio.Event()
+
+        async def handler(msg: Message) -> None:
+            if msg.id == ids[-1]:
+                last.set()
+
+        async with AsyncMessenger(config) as am:
+            await am.subscribe(CH, "slow", handler, on_gap=lambda *a: gaps.append(a))
+            await asyncio.wait_for(last.wait(), WAIT_S)
+
+    asyncio.run(main())
+    assert gaps == [(CH, "slow", 0, segs[1])]
