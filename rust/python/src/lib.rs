@@ -699,29 +699,27 @@ type DeliveryRow<'a, 'py> = (
     Bound<'py, PyAny>,
 );
 
-/// Rows for a Python delivery function, payloads decoded.
-fn delivery_rows<'a, 'py>(
+/// One row for a Python delivery function; fails when the payload cannot
+/// become a Python value.
+fn delivery_row<'a, 'py>(
     py: Python<'py>,
     dec: &mut PyDecoder,
-    items: impl Iterator<Item = (u64, &'a Envelope)>,
-) -> PyResult<Vec<DeliveryRow<'a, 'py>>> {
-    items
-        .map(|(offset, e)| {
-            Ok((
-                offset,
-                e.id.as_str(),
-                e.ts_nanos,
-                dec.field(py, json::CHANNEL, &e.channel),
-                dec.field(py, json::ORIGIN, &e.origin),
-                dec.field(py, json::PAYLOAD_TYPE, &e.payload_type),
-                e.service_name
-                    .as_deref()
-                    .map(|s| dec.field(py, json::SERVICE_NAME, s)),
-                e.correlation_id.as_deref(),
-                dec.payload(py, e.payload.get())?,
-            ))
-        })
-        .collect()
+    offset: u64,
+    e: &'a Envelope,
+) -> PyResult<DeliveryRow<'a, 'py>> {
+    Ok((
+        offset,
+        e.id.as_str(),
+        e.ts_nanos,
+        dec.field(py, json::CHANNEL, &e.channel),
+        dec.field(py, json::ORIGIN, &e.origin),
+        dec.field(py, json::PAYLOAD_TYPE, &e.payload_type),
+        e.service_name
+            .as_deref()
+            .map(|s| dec.field(py, json::SERVICE_NAME, s)),
+        e.correlation_id.as_deref(),
+        dec.payload(py, e.payload.get())?,
+    ))
 }
 
 impl Handler for PyHandler {
@@ -732,12 +730,8 @@ impl Handler for PyHandler {
             let mut rows = Vec::with_capacity(batch.len());
             let mut unreadable = None;
             for d in batch {
-                match delivery_rows(
-                    py,
-                    &mut self.decoder,
-                    std::iter::once((d.offset, &d.envelope)),
-                ) {
-                    Ok(mut row) => rows.append(&mut row),
+                match delivery_row(py, &mut self.decoder, d.offset, &d.envelope) {
+                    Ok(row) => rows.push(row),
                     Err(e) => {
                         unreadable = Some(format!("payload cannot be read: {}", e.value(py)));
                         break;
@@ -829,8 +823,21 @@ impl EphemeralClient {
             .set_handler(Arc::new(move |envelopes: Vec<Envelope>| {
                 Python::attach(|py| {
                     let mut dec = decoder.lock().unwrap_or_else(|e| e.into_inner());
-                    let rows = delivery_rows(py, &mut dec, envelopes.iter().map(|e| (0, e)));
-                    if let Err(err) = rows.and_then(|r| deliver.call1(py, (r,))) {
+                    // A payload that cannot become a Python value is dropped
+                    // alone (logged), not with the rest of the frame.
+                    let mut rows = Vec::with_capacity(envelopes.len());
+                    for e in &envelopes {
+                        match delivery_row(py, &mut dec, 0, e) {
+                            Ok(row) => rows.push(row),
+                            Err(err) => log::warn!(
+                                "channel {:?}: message {} from the hub cannot be read: {}",
+                                e.channel,
+                                e.id,
+                                err.value(py)
+                            ),
+                        }
+                    }
+                    if let Err(err) = deliver.call1(py, (rows,)) {
                         err.print(py);
                     }
                 })
