@@ -12,6 +12,7 @@ pub mod client;
 pub mod ephemeral;
 pub mod hub;
 pub mod link;
+pub mod status;
 pub mod tls;
 pub mod wire;
 
