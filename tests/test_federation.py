@@ -432,6 +432,8 @@ def test_audit_log_format(pki: PKI, tmp_path: Path, start: Starter) -> None:
     wait_stored(hub_dir, "temps", 5)
     cmd = hub.publish("cmds", "test.Command", {})
     wait_stored(node_dir, "cmds", 1)
+    # The client acknowledges after storing: let that ack reach the hub first.
+    wait_until(lambda: audit_events(hub_dir, "forward", direction="outbound"), "hub forward")
     client.close()
     wait_until(lambda: audit_events(hub_dir, "peer_disconnected"), "peer_disconnected")
 

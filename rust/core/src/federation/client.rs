@@ -281,6 +281,7 @@ async fn dial_loop(
                             received: None,
                             link: Some(status.clone()),
                             dead_letters: true,
+                            channel_budget: None,
                             report_refusals: welcome.has_feature(FEATURE_REFUSALS),
                         };
                         link::run(

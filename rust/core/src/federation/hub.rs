@@ -56,6 +56,8 @@ struct HubState {
     /// Connected ephemeral peers: name -> number of connections.
     ephemeral: Arc<Mutex<HashMap<String, usize>>>,
     next_conn: AtomicU64,
+    /// Channels each peer has created (its `max_channels` budget).
+    budgets: Mutex<HashMap<String, Arc<super::ChannelBudget>>>,
 }
 
 impl Hub {
@@ -87,6 +89,7 @@ impl Hub {
             peers: peers.clone(),
             ephemeral: ephemeral.clone(),
             next_conn: AtomicU64::new(1),
+            budgets: Mutex::new(HashMap::new()),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(state.clone(), listener))];
         if state.cfg.fed_client_offset_ttl_s >= 0.0 {
@@ -317,6 +320,15 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
         received: Some(state.counters.records_received.clone()),
         link: None,
         dead_letters: false,
+        channel_budget: Some(
+            state
+                .budgets
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(peer.clone())
+                .or_insert_with(|| Arc::new(super::ChannelBudget::new(entry.max_channels)))
+                .clone(),
+        ),
         report_refusals,
     };
     let ended = link::run(shared.clone(), ws, out, inbound, cancel).await;

@@ -119,6 +119,8 @@ pub struct Inbound {
     /// Accept records for `.dead-letter` channels (a client receiving what
     /// its hub streams; never a hub receiving from a client).
     pub dead_letters: bool,
+    /// New channels this peer may still create (hub side); `None`: no limit.
+    pub channel_budget: Option<Arc<super::ChannelBudget>>,
     /// List refused records in acknowledgements (the peer announced
     /// [`FEATURE_REFUSALS`](super::wire::FEATURE_REFUSALS); a 1.4 peer gets
     /// plain acknowledgements).
@@ -306,6 +308,29 @@ async fn receive_batch(
             ack.last_id = env.id;
             ack.refused.push(refused);
             continue;
+        }
+        if let Some(budget) = &inbound.channel_budget {
+            let is_new = !groups.iter().any(|g| g.0 == env.channel)
+                && !shared
+                    .store
+                    .channel_dir(&env.channel)
+                    .is_ok_and(|d| d.is_dir());
+            if is_new && !budget.try_create(&env.channel) {
+                let refused = Refused {
+                    id: env.id.clone(),
+                    channel: env.channel.clone(),
+                    reason: RefusalReason::ChannelLimit.as_str().into(),
+                };
+                refuse(
+                    shared,
+                    inbound,
+                    &refused,
+                    "the peer's max_channels is reached",
+                );
+                ack.last_id = env.id;
+                ack.refused.push(refused);
+                continue;
+            }
         }
         // Store the received bytes verbatim unless they are not one line.
         let line = if rec.contains(&b'\n') || rec.contains(&b'\r') {
