@@ -1,3 +1,6 @@
+# why this file is long: one suite (Suite and the probes, figures and report of `keyop-messenger
+# bench`); tests/test_bench.py patches this module's os, threading and _run_pinned, so a split
+# would move those seams.
 """The benchmark suite behind ``keyop-messenger bench``.
 
 Every figure is the median of several runs and is printed next to a raw probe
