@@ -187,8 +187,14 @@ _COMMENT_OR_STRING = re.compile(
     r'//[^\n]*|/\*.*?\*/|r(#*)".*?"\1|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])\'',
     re.DOTALL,
 )
-_USE = re.compile(r"\buse\s+((?:crate|super|self)\b[^;]*);")
-_PATH = re.compile(r"(?<![\w:])((?:crate|super|self)(?:\s*::\s*\w+)+)")
+_USE = re.compile(r"\buse\s+([^;]*);")
+_CHILD_MOD = re.compile(r"\bmod\s+(\w+)\s*;")
+
+
+def _path_re(roots: Iterable[str]) -> re.Pattern[str]:
+    """Paths starting with one of ``roots``: ``root::a::b``."""
+    names = "|".join(sorted(map(re.escape, roots)))
+    return re.compile(rf"(?<![\w:])((?:{names})(?:\s*::\s*\w+)+)")
 _INLINE_MOD = re.compile(r"\bmod\s+(\w+)\s*\{")
 
 
@@ -248,6 +254,8 @@ def _rust_target(
     """The module a ``crate::`` / ``super::`` / ``self::`` path written in
     module ``here`` refers to (its longest module prefix)."""
     segments = [s for s in re.sub(r"\s+", "", path).split("::") if s]
+    if segments[0] not in ("crate", "super", "self"):
+        segments = ["self", *segments]  # a child module declared in this file
     if segments[0] == "crate":
         resolved: list[str] = []
         segments = segments[1:]
@@ -268,9 +276,10 @@ def _rust_target(
 
 
 def rust_module_graph(src: Path) -> dict[str, set[str]]:
-    """Module -> modules it refers to (``crate::a::b`` and ``super::``/``self::``
-    paths, also inside ``use`` groups), without references to the module's
-    own ancestors. Inline ``mod x { ... }`` blocks (tests) count as their file."""
+    """Module -> modules it refers to (``crate::a::b``, ``super::``/``self::``
+    paths and paths through a child declared with ``mod child;`` in the file,
+    also inside ``use`` groups), without references to the module's own
+    ancestors. Inline ``mod x { ... }`` blocks (tests) count as their file."""
     modules = rust_modules(src)
 
     def label(m: tuple[str, ...]) -> str:
@@ -280,11 +289,16 @@ def rust_module_graph(src: Path) -> dict[str, set[str]]:
     for module, file in modules.items():
         text = _strip(file.read_text(encoding="utf-8"))
         scopes = _inline_scopes(text)
+        roots = {"crate", "super", "self", *_CHILD_MOD.findall(text)}
         refs: list[tuple[int, str]] = []
         for match in _USE.finditer(text):
-            refs += [(match.start(), p) for p in _expand_use(match.group(1))]
+            refs += [
+                (match.start(), p)
+                for p in _expand_use(match.group(1))
+                if p.split("::")[0] in roots
+            ]
         blanked = _USE.sub(lambda m: " " * len(m.group(0)), text)
-        refs += [(m.start(), m.group(1)) for m in _PATH.finditer(blanked)]
+        refs += [(m.start(), m.group(1)) for m in _path_re(roots).finditer(blanked)]
         for pos, path in refs:
             inner = tuple(name for start, end, name in scopes if start <= pos < end)
             here = (*module, *inner)
@@ -441,6 +455,23 @@ def test_rust_checker_finds_cycles(tmp_path: Path) -> None:
     assert find_cycles(graph) == [
         ["crate::fed::client", "crate::fed::link", "crate::fed::client"],
         ["crate::store::reader", "crate::store::writer", "crate::store::reader"],
+    ]
+
+
+def test_rust_checker_follows_bare_child_paths(tmp_path: Path) -> None:
+    write_tree(
+        tmp_path,
+        {
+            "lib.rs": "pub mod engine;\npub mod fed;\n",
+            "engine.rs": "use crate::fed::Hub;\n",
+            "fed/mod.rs": "mod hub;\npub use hub::Hub;\n",
+            "fed/hub.rs": "pub struct Hub(crate::engine::Engine);\n",
+        },
+    )
+    graph = rust_module_graph(tmp_path)
+    assert graph["crate::fed"] == {"crate::fed::hub"}
+    assert find_cycles(graph) == [
+        ["crate::engine", "crate::fed", "crate::fed::hub", "crate::engine"]
     ]
 
 
