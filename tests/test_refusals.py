@@ -42,7 +42,9 @@ from fed_helpers import (
     wait_peers,
     wait_until,
 )
-from keyop_messenger import EphemeralMessenger, PolicyError
+from keyop_messenger import Config, ConfigError, EphemeralMessenger, PolicyError
+from keyop_messenger.metrics import render
+from keyop_messenger.stats import FederationStats, HubLinkStats, Stats, Totals
 
 pki = fed_helpers.pki
 start = fed_helpers.start
@@ -260,3 +262,54 @@ def test_go_14_shaped_client_still_works_against_a_restricting_hub(
         assert raw.recv_text() == json.dumps({"last_id": msg_id(recs[1])}, separators=(",", ":"))
     assert stored_ids(hub_dir, "temps") == [msg_id(recs[1])]
 
+
+
+# ---------------------------------------------------------------------------
+# Prometheus counter and the max_channels key
+# ---------------------------------------------------------------------------
+
+
+def test_prometheus_counts_refusals_per_hub_and_channel() -> None:
+    link = HubLinkStats(
+        addr="hub1:7443",
+        connected=True,
+        reconnects=0,
+        unacked_bytes=0,
+        rtt_p50_us=0.0,
+        rtt_p99_us=0.0,
+        refused={"debug": 3, "temps": 1},
+        refused_channels=["debug"],
+    )
+    stats = Stats(
+        channels=[],
+        totals=Totals(
+            channels=0, messages_published=0, stream_bytes=0, disk_bytes=0, subscribers=0
+        ),
+        latency={},
+        federation=FederationStats(links=[link]),
+    )
+    lines = render(stats).splitlines()
+    assert "# TYPE keyop_federation_refused_total counter" in lines
+    assert 'keyop_federation_refused_total{hub="hub1:7443",channel="debug"} 3' in lines
+    assert 'keyop_federation_refused_total{hub="hub1:7443",channel="temps"} 1' in lines
+
+
+def test_max_channels_key_reaches_the_hub(pki: PKI, tmp_path: Path, start: Starter) -> None:
+    """``hub.allowed_peers[].max_channels``: past it, new channels are refused
+    (reason channel_limit) and the ephemeral publisher gets PolicyError."""
+    hub_dir = tmp_path / "hub"
+    entry = {**peer("node1"), "max_channels": 1}
+    hub = start(hub_config(pki, hub_dir, [entry]))
+    port = hub_port(hub)
+    with EphemeralMessenger(client_config(pki, tmp_path / "unused", "node1", port)) as eph:
+        first = eph.publish("one", "test.X", {})
+        with pytest.raises(PolicyError, match="channel_limit") as err:
+            eph.publish("two", "test.X", {})
+        assert '"two"' in str(err.value)
+        assert eph.status()["refused"] == {"two": 1}
+    assert stored_ids(hub_dir, "one") == [first]
+    assert not (hub_dir / "channels" / "two").exists()
+    (audit,) = audit_events(hub_dir, "record_refused", channel="two")
+    assert audit["detail"].startswith("reason=channel_limit")
+    with pytest.raises(ConfigError, match="max_channels"):
+        Config.from_dict({**hub_config(pki, hub_dir, [{**entry, "max_channels": -1}]).to_dict()})

@@ -1,4 +1,7 @@
 //! The JSONL envelope: building, encoding, decoding, and name validation.
+//! why this file is long: names, ids, timestamps, the record codec and the
+//! record rules are one contract (the line format); splitting them would
+//! spread that contract over several files.
 //!
 //! Every record on disk and on the wire is one envelope serialised as a single
 //! line of compact JSON with the keys, in order, of keyop-messenger 1.4:
@@ -9,10 +12,6 @@
 //! is defined ([`validate_header`], [`check_payload_depth`],
 //! [`decode_valid`]): every way in (local publish, federation, a gateway)
 //! applies these rules, so nothing is stored that a reader would refuse.
-//!
-//! Why this file is long: names, ids, timestamps, the record codec and the
-//! record rules are one contract (the line format); splitting them would
-//! spread that contract over several files.
 
 use std::fmt;
 use std::io::Write as _;
