@@ -119,6 +119,22 @@ def test_wire_unrestricted_peer_gets_no_allow_lists(
         assert json.loads(raw.recv_text()) == {**HUB_14, "features": ["refusals"]}
 
 
+def test_hub_audits_every_refusal_but_logs_them_rate_limited(
+    pki: PKI, tmp_path: Path, start: Starter, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    hub_dir = tmp_path / "hub"
+    hub = start(hub_config(pki, hub_dir, [peer("node1", publish=["temps"])]))
+    records = [envelope("debug", "node1", {"i": i}) for i in range(50)]
+    with RawPeer(hub_port(hub), pki["node1"], pki.ca) as raw:
+        raw.handshake("node1")
+        raw.send_binary(batch(*records))
+        raw.recv_text()
+    assert len(audit_events(hub_dir, "policy_violation", channel="debug")) == 50
+    logged = [r for r in caplog.records if "refused a record" in r.getMessage()]
+    assert len(logged) <= 1, "at most one report per interval (lograte::RateLimit)"
+
+
 # ---------------------------------------------------------------------------
 # Durable client
 # ---------------------------------------------------------------------------
@@ -130,10 +146,20 @@ def test_client_learns_a_refused_channel_at_connect_and_forwards_it_once_allowed
     caplog.set_level(logging.WARNING)
     hub_dir, node_dir = tmp_path / "hub", tmp_path / "node1"
     port = free_port()
-    hub = start(hub_config(pki, hub_dir, [peer("node1", publish=["temps"])], port=port))
-    client = start(client_config(pki, node_dir, "node1", port, publish=["temps", "debug"]))
+    allow = [peer("node1", publish=["temps"], subscribe=["cmds"])]
+    hub = start(hub_config(pki, hub_dir, allow, port=port))
+    client = start(
+        client_config(
+            pki, node_dir, "node1", port, publish=["temps", "debug"], subscribe=["cmds", "secret"]
+        )
+    )
     wait_peers(hub, "node1")
     wait_until(lambda: client_status(client)["refused_channels"] == ["debug"], "refusal known")
+    assert client_status(client)["refused_subscriptions"] == ["secret"]
+    (sub_audit,) = wait_until(
+        lambda: audit_events(node_dir, "subscribe_refused", channel="secret"), "sub audit"
+    )
+    assert sub_audit["detail"] == "reason=policy at=handshake"
     (audit,) = wait_until(
         lambda: audit_events(node_dir, "publish_refused", channel="debug"), "audit"
     )
@@ -153,7 +179,8 @@ def test_client_learns_a_refused_channel_at_connect_and_forwards_it_once_allowed
 
     # The hub's policy changes: the waiting message goes out.
     hub.close()
-    start(hub_config(pki, hub_dir, [peer("node1", publish=["temps", "debug"])], port=port))
+    allow = [peer("node1", publish=["temps", "debug"], subscribe=["cmds"])]
+    start(hub_config(pki, hub_dir, allow, port=port))
     wait_until(lambda: stored_ids(hub_dir, "debug") == [debug_id], "debug forwarded once allowed")
     wait_until(lambda: client_status(client)["refused_channels"] == [], "refusal cleared")
 
