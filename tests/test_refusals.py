@@ -42,7 +42,13 @@ from fed_helpers import (
     wait_peers,
     wait_until,
 )
-from keyop_messenger import Config, ConfigError, EphemeralMessenger, PolicyError
+from keyop_messenger import (
+    Config,
+    ConfigError,
+    EphemeralMessenger,
+    PayloadTypeError,
+    PolicyError,
+)
 from keyop_messenger.metrics import render
 from keyop_messenger.stats import FederationStats, HubLinkStats, Stats, Totals
 
@@ -269,6 +275,11 @@ def test_ephemeral_publish_to_a_refused_channel_raises_policy_error(
         assert "debug" in str(err.value) and f"127.0.0.1:{port}" in str(err.value)
         with pytest.raises(PolicyError):
             eph.publish_batch("debug", [("test.Debug", {"x": 2})])
+        deep: Any = 1
+        for _ in range(101):
+            deep = [deep]
+        with pytest.raises(PayloadTypeError, match="nested deeper than 100"):
+            eph.publish("temps", "test.Deep", deep)  # the record rules apply here too
         ok = eph.publish("temps", "test.Reading", {"x": 3})
     assert stored_ids(hub_dir, "temps") == [ok]
     assert stored_ids(hub_dir, "debug") == []
