@@ -33,7 +33,7 @@ use crate::envelope::{
 };
 use crate::stats::EngineStats;
 use crate::storage::offsets::{read_offset, write_offset};
-use crate::storage::quarantine::{self, quarantine, report_gap, split_point};
+use crate::storage::quarantine::{self, decode_stored, quarantine, report_gap, split_point};
 use crate::storage::{segment, ChannelWriter, Item, LogReader};
 
 /// One record handed to a handler.
@@ -397,7 +397,7 @@ impl<H: Handler> Worker<H> {
             };
             let next = item.next_offset();
             match item {
-                Item::Record { offset, line, .. } => match Envelope::decode(&line) {
+                Item::Record { offset, line, .. } => match decode_stored(&line) {
                     Ok(envelope) => batch.push(Delivery {
                         offset,
                         line,
@@ -417,8 +417,7 @@ impl<H: Handler> Worker<H> {
                         } else {
                             next
                         };
-                        let reason = format!("unreadable record: {e}");
-                        if let Err(err) = self.unreadable(offset, &line[..bad], None, &reason) {
+                        if let Err(err) = self.unreadable(offset, &line[..bad], None, &e) {
                             self.reader.seek(offset);
                             return Err(io::Error::other(format!(
                                 "cannot dead-letter the unreadable record at offset {offset}: {err}"

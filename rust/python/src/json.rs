@@ -195,21 +195,6 @@ impl PyDecoder {
         .and_then(|v| de.end().map(|()| v));
         match parsed {
             Ok(value) => Ok(value),
-            // serde_json stops at 128 levels; publish allows MAX_DEPTH. Deeper
-            // than that (written by some other program) is an error for this
-            // record only, found without recursing.
-            Err(e) if e.to_string().contains("recursion limit") => {
-                let depth = nesting_depth(text);
-                if depth > MAX_DEPTH as usize {
-                    return Err(type_err(
-                        py,
-                        format!("payload is nested {depth} levels deep; the limit is {MAX_DEPTH}"),
-                    ));
-                }
-                py.import("json")?
-                    .call_method1("loads", (text,))
-                    .map_err(|err| type_err(py, format!("payload is not valid JSON: {err}")))
-            }
             // JSON text may escape lone UTF-16 surrogates ("\ud800"), which
             // Rust strings cannot hold and Python's parser turns into str.
             Err(e) if text.contains("\\u") => py
@@ -336,32 +321,6 @@ impl<'de, 'py> Visitor<'de> for KeySeed<'_, 'py> {
         keys.insert(v.into(), obj.clone().unbind());
         Ok(obj)
     }
-}
-
-/// Deepest nesting of arrays and objects in JSON `text` (strings skipped).
-fn nesting_depth(text: &str) -> usize {
-    let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
-    for b in text.bytes() {
-        if in_str {
-            match b {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_str = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_str = true,
-            b'[' | b'{' => {
-                depth += 1;
-                max = max.max(depth);
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    max
 }
 
 /// Whether `text` holds 19 or more consecutive digits (a number that may not

@@ -1060,7 +1060,7 @@ impl RecordIter {
     /// record is split off it). A gap before offset 0's first segment is
     /// history retention trimmed: not reported.
     fn next_found(&mut self, py: Python<'_>) -> PyResult<Option<Found>> {
-        use keyop_core::storage::quarantine::{quarantine, split_point};
+        use keyop_core::storage::quarantine::{decode_stored, quarantine, split_point};
         let limit = match &self.limit {
             Limit::Committed(w) => w.as_ref().map_or(0, |w| w.committed_end()),
             Limit::Complete => u64::MAX,
@@ -1080,11 +1080,10 @@ impl RecordIter {
                     Item::Gap { from, to } if from > 0 => return Ok(Some(Found::Gap(from, to))),
                     _ => continue,
                 };
-                match Envelope::decode(&line) {
+                match decode_stored(&line) {
                     Ok(e) => return Ok(Some(Found::Record(offset, segment, line, e))),
-                    Err(err) => {
+                    Err(reason) => {
                         let bad = split_point(&line).unwrap_or(line.len());
-                        let reason = format!("unreadable record: {err}");
                         quarantine(data_dir, channel, offset, &line[..bad], &reason);
                         if bad < line.len() {
                             reader.seek(offset + bad as u64);

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::segment;
-use crate::envelope::Envelope;
+use crate::envelope::{check_payload_depth, Envelope};
 
 /// Directory under `data_dir` holding quarantined records.
 pub const QUARANTINE_DIR: &str = "quarantine";
@@ -111,6 +111,16 @@ pub fn quarantine(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8], rea
             }
         }
     }
+}
+
+/// Decodes a stored line with the reader rules and the payload-depth rule
+/// of a valid record ([`check_payload_depth`]); the error is the reason the
+/// record is unreadable. Header fields are not re-checked, so records other
+/// writers (keyop-messenger 1.4) accept stay readable.
+pub fn decode_stored(line: &[u8]) -> Result<Envelope, String> {
+    let env = Envelope::decode(line).map_err(|e| format!("unreadable record: {e}"))?;
+    check_payload_depth(env.payload.get().as_bytes()).map_err(|e| e.to_string())?;
+    Ok(env)
 }
 
 /// Where a valid record starts inside an unreadable line, if one does: the
