@@ -43,7 +43,7 @@ def fill(m: Messenger, n: int = 300) -> list[str]:
 @pytest.fixture
 def data(tmp_path: Path) -> Path:
     """A data directory whose channel has at least three segments."""
-    config = make_config(tmp_path, compaction_threshold_mb=1)
+    config = make_config(tmp_path, segment_size_mb=1)
     with Messenger(config) as m:
         fill(m)
     data_dir = Path(config.storage.data_dir)
@@ -72,7 +72,7 @@ def test_read_channel_raises_on_a_removed_segment_and_names_the_range(data: Path
 def test_messenger_read_channel_raises_below_the_first_segment(data: Path, tmp_path: Path) -> None:
     segs = segments(data)
     segment_path(data, segs[0]).unlink()
-    with Messenger(make_config(tmp_path, compaction_threshold_mb=1)) as m:
+    with Messenger(make_config(tmp_path, segment_size_mb=1)) as m:
         with pytest.raises(DataLossError, match=f"bytes 10..{segs[1]} are gone"):
             list(m.read_channel(CH, start_offset=10))
         # Offset 0 means "the oldest record kept": retention trimming history
@@ -85,7 +85,7 @@ def test_messenger_read_channel_raises_below_the_first_segment(data: Path, tmp_p
 def test_subscriber_gets_on_gap_a_warning_and_a_counter(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = make_config(tmp_path, compaction_threshold_mb=1)
+    config = make_config(tmp_path, segment_size_mb=1)
     data_dir = Path(config.storage.data_dir)
     with Messenger(config) as m:
         m.subscribe(CH, "slow", lambda msg: None).close()  # registered at offset 0
@@ -117,7 +117,7 @@ def test_subscriber_gets_on_gap_a_warning_and_a_counter(
 
 
 def test_a_truncated_sealed_segment_is_a_gap_for_subscribers(tmp_path: Path) -> None:
-    config = make_config(tmp_path, compaction_threshold_mb=1)
+    config = make_config(tmp_path, segment_size_mb=1)
     data_dir = Path(config.storage.data_dir)
     with Messenger(config) as m:
         m.subscribe(CH, "s", lambda msg: None).close()
@@ -146,7 +146,7 @@ def test_async_subscriber_gets_on_gap(tmp_path: Path) -> None:
 
     from keyop_messenger.aio import AsyncMessenger
 
-    config = make_config(tmp_path, compaction_threshold_mb=1)
+    config = make_config(tmp_path, segment_size_mb=1)
     data_dir = Path(config.storage.data_dir)
     with Messenger(config) as m:
         m.subscribe(CH, "slow", lambda msg: None).close()
@@ -168,3 +168,33 @@ def test_async_subscriber_gets_on_gap(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert gaps == [(CH, "slow", 0, segs[1])]
+
+
+def test_spark_planning_reports_bytes_gone_before_the_first_segment(data: Path) -> None:
+    import keyop_messenger.spark as ks
+
+    segs = segments(data)
+    end = ks.stream_end(str(data), CH)
+    segment_path(data, segs[0]).unlink()
+    # A streaming query that had read up to offset 10 would skip the rest silently.
+    with pytest.raises(DataLossError, match=f"bytes 10..{segs[1]} are gone"):
+        ks.plan_partitions(str(data), CH, 10, end)
+    # Offset 0 (a batch read, a query from the start) means the oldest kept.
+    assert ks.plan_partitions(str(data), CH, 0, end)[0].start == segs[1]
+
+
+def test_data_loss_is_exported_as_prometheus_counters(data: Path, tmp_path: Path) -> None:
+    from keyop_messenger.metrics import render
+
+    segs = segments(data)
+    segment_path(data, segs[1]).unlink()
+    with Messenger(make_config(tmp_path, segment_size_mb=1)) as m:
+        before = m.stats().data_loss
+        assert len(list(m.read_channel(CH, skip_gaps=True))) < 300
+        text = render(m.stats())
+    gaps = before.gaps + 1
+    lost = before.gap_bytes + segs[2] - segs[1]
+    assert "# TYPE keyop_data_loss_total counter" in text
+    assert f'keyop_data_loss_total{{kind="gap"}} {gaps}' in text.splitlines()
+    assert f'keyop_data_loss_total{{kind="quarantined"}} {before.quarantined}' in text
+    assert f"keyop_data_loss_bytes_total {lost}" in text.splitlines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import datetime
 import json
 import os
 import threading
@@ -71,7 +72,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
             storage.data_dir,
             config.name,
             sync_interval_ms=storage.sync_interval_ms,
-            segment_bytes=max(storage.compaction_threshold_mb, 0) * _MIB,
+            segment_bytes=max(storage.segment_mb(), 0) * _MIB,
         )
         self._engine.start_retention(int(RETENTION_INTERVAL_S * 1000), **self._retention())
         self._bind_publish(
@@ -92,12 +93,18 @@ class Messenger(_core.MessengerBase, _SyncContext):
                 self.close()
                 raise
 
-    def _retention(self) -> dict[str, int | None]:
+    def _retention(self) -> dict[str, Any]:
         lag_mb = self._config.storage.max_subscriber_lag_mb
         ttl = self._config.subscribers.offset_ttl
+        limits = self._config.retention
         return {
             "max_lag_bytes": lag_mb * _MIB if lag_mb > 0 else None,
-            "offset_ttl_ms": int(ttl.total_seconds() * 1000) if ttl.total_seconds() > 0 else None,
+            "offset_ttl_ms": _ms_or_none(ttl),
+            "max_age_ms": _ms_or_none(limits.max_age),
+            "max_bytes": limits.max_bytes or None,
+            "channels": {
+                c.name: (_ms_or_none(c.max_age), c.max_bytes or None) for c in limits.channels
+            },
         }
 
     @property
@@ -217,7 +224,9 @@ class Messenger(_core.MessengerBase, _SyncContext):
 
     def compact(self) -> dict[str, tuple[int, int, list[str]]]:
         """Runs a retention pass now (it also runs every 30 s): deletes sealed
-        segments that every subscriber's offset file has passed. Returns, per
+        segments that every offset file of their channel has passed (a channel
+        with no offset file keeps its data), and those the ``retention``
+        section's ``max_age`` / ``max_bytes`` limits select. Returns, per
         channel where something happened, ``(segments_deleted, bytes_freed,
         removed_offset_ids)``."""
         return self._engine.compact(**self._retention())
@@ -270,6 +279,11 @@ class Messenger(_core.MessengerBase, _SyncContext):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Messenger {self.name!r} data_dir={self._config.storage.data_dir!r} {state}>"
+
+
+def _ms_or_none(d: datetime.timedelta) -> int | None:
+    """Milliseconds of a positive duration; None (off) for zero or less."""
+    return int(d.total_seconds() * 1000) if d.total_seconds() > 0 else None
 
 
 def _gap_reporter(

@@ -1,7 +1,7 @@
 //! Delivery to local subscribers: read -> handler -> retry/backoff ->
 //! acknowledge or dead-letter, with a persisted offset per subscriber.
 //!
-//! Why this file is long: the delivery loop, its retry/dead-letter
+//! why this file is long: the delivery loop, its retry/dead-letter
 //! settlement and the handling of what a reader can meet (gaps, unreadable
 //! records) share the worker's offset state; split apart they would have to
 //! pass it around by hand.

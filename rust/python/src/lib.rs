@@ -1,4 +1,7 @@
 //! `keyop_messenger._core`: the PyO3 face of keyop-core.
+//! why this file is long: every class of the module (engine, messenger base,
+//! subscriptions, record iterator, ephemeral client) is a thin, independent
+//! wrapper; they share the conversion helpers here.
 //!
 //! Thin by design: argument conversion, GIL release around every blocking
 //! step, and error mapping (in `errors`). No engine logic lives here.
