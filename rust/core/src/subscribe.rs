@@ -625,13 +625,6 @@ impl<H: Handler> Worker<H> {
         payload.extend_from_slice(b",\"failed_at\":");
         envelope::push_json_str(&mut payload, stamp.ts());
         payload.push(b'}');
-        if payload.len() + 300 > envelope::MAX_RECORD_BYTES {
-            log::warn!(
-                "channel {:?}: dead letter for {} exceeds the record limit",
-                self.channel,
-                d.envelope.id
-            );
-        }
         self.append_dead_letter(&stamp, &d.envelope.origin, &payload)
     }
 
@@ -656,6 +649,13 @@ impl<H: Handler> Worker<H> {
             },
             payload,
         );
+        if line.len() > envelope::MAX_RECORD_BYTES {
+            log::warn!(
+                "channel {:?}: dead letter {} exceeds the record limit",
+                self.channel,
+                stamp.id()
+            );
+        }
         self.dead_letters.append(&line, 1).map(|_| ())
     }
 
