@@ -958,8 +958,8 @@ impl PyEngine {
 /// values) are quarantined and passed over; a gap (bytes gone from the
 /// middle of the stream, or before a non-zero start offset) raises
 /// `DataLossError` naming the byte range, unless `skip_gaps` (then it is
-/// only counted and logged). Iterating again after the error goes on past
-/// the gap.
+/// only counted and logged). This iterator, iterated again after the error,
+/// goes on past the gap.
 #[pyclass(module = "keyop_messenger._core")]
 struct RecordIter {
     reader: LogReader,
@@ -1014,8 +1014,8 @@ impl RecordIter {
                         Kind::DataLoss,
                         format!(
                             "channel {:?}: bytes {from}..{to} are gone (deleted by retention, \
-                             or a segment was removed or truncated); iterate again to go on at \
-                             {to}, or read with skip_gaps=True",
+                             or a segment was removed or truncated); read from offset {to}, or \
+                             with skip_gaps=True, to go on past them",
                             self.channel
                         ),
                     ));
