@@ -196,7 +196,6 @@ def test_cli_tail_and_dead_letters_go_past_unreadable_records(poisoned: Config) 
     assert "nested" in rows[0]["last_error"]
 
 
-
 def test_spark_partition_read_goes_past_unreadable_records(poisoned: Config) -> None:
     from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
@@ -205,9 +204,16 @@ def test_spark_partition_read_goes_past_unreadable_records(poisoned: Config) -> 
     data_dir = str(poisoned.storage.data_dir)
     text = StringType()
     columns = [
-        ("id", text), ("ts", TimestampType()), ("channel", text), ("origin", text),
-        ("payload_type", text), ("service_name", text), ("correlation_id", text),
-        ("payload", text), ("segment", LongType()), ("offset", LongType()),
+        ("id", text),
+        ("ts", TimestampType()),
+        ("channel", text),
+        ("origin", text),
+        ("payload_type", text),
+        ("service_name", text),
+        ("correlation_id", text),
+        ("payload", text),
+        ("segment", LongType()),
+        ("offset", LongType()),
     ]
     schema = StructType([StructField(name, kind) for name, kind in columns])
     partition = KeyopPartition(0, 0, 0, stream_end(data_dir, CH))
