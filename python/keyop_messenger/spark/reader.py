@@ -132,10 +132,20 @@ def plan_partitions(
 ) -> list[KeyopPartition]:
     """Input partitions covering ``[start, end)``: one per segment file range,
     each split at record boundaries into pieces of about
-    ``max_partition_bytes`` when that is > 0."""
+    ``max_partition_bytes`` when that is > 0. Raises ``DataLossError`` when a
+    non-zero ``start`` lies before the first segment (those bytes are gone;
+    offset 0 means the oldest record kept)."""
     if end <= start:
         return []
     segments = list_segments(data_dir, channel)
+    if segments and 0 < start < segments[0]:
+        from ..errors import DataLossError
+
+        raise DataLossError(
+            f"channel {channel!r} in {data_dir}: bytes {start}..{segments[0]} are gone "
+            "(deleted by retention, or a segment was removed) before this query read "
+            "them; the 'retain_as' option makes retention keep what a query still needs"
+        )
     parts: list[KeyopPartition] = []
     for i, seg in enumerate(segments):
         seg_end = segments[i + 1] if i + 1 < len(segments) else end

@@ -104,7 +104,7 @@ class WriteSpec:
                 f"keyop data source: {config_path}: client.hubs must name the hub to publish to"
             )
         storage: dict[str, int] = {}
-        for key in ("sync_interval_ms", "compaction_threshold_mb"):
+        for key in ("sync_interval_ms", "segment_size_mb", "compaction_threshold_mb"):
             if o.get(key):
                 storage[key] = o.integer(key, 0, minimum=-(2**31))
         column = o.get("correlation_id_column") or None
