@@ -18,6 +18,7 @@ __all__ = [
     "inspect_cert",
     "keygen_ca",
     "keygen_instance",
+    "loss_counts",
     "read_channel",
     "validate_channel",
 ]
@@ -71,7 +72,9 @@ class Engine:
         default: Callable[[Any], Any] | None = None,
     ) -> list[str]: ...
     def stream_end(self, channel: str) -> int: ...
-    def read(self, channel: str, start_offset: int = 0) -> RecordIter: ...
+    def read(
+        self, channel: str, start_offset: int = 0, *, skip_gaps: bool = False
+    ) -> RecordIter: ...
     def subscribe(
         self,
         channel: str,
@@ -82,13 +85,25 @@ class Engine:
         offset_flush_interval_ms: int = 0,
         backoff_base_ms: int = 100,
         backoff_max_ms: int = 5000,
+        on_gap: Callable[[int, int], object] | None = None,
     ) -> Subscription: ...
     def unsubscribe(self, channel: str, subscriber_id: str) -> None: ...
     def start_retention(
-        self, interval_ms: int, max_lag_bytes: int | None = None, offset_ttl_ms: int | None = None
+        self,
+        interval_ms: int,
+        max_lag_bytes: int | None = None,
+        offset_ttl_ms: int | None = None,
+        max_age_ms: int | None = None,
+        max_bytes: int | None = None,
+        channels: Mapping[str, tuple[int | None, int | None]] | None = None,
     ) -> None: ...
     def compact(
-        self, max_lag_bytes: int | None = None, offset_ttl_ms: int | None = None
+        self,
+        max_lag_bytes: int | None = None,
+        offset_ttl_ms: int | None = None,
+        max_age_ms: int | None = None,
+        max_bytes: int | None = None,
+        channels: Mapping[str, tuple[int | None, int | None]] | None = None,
     ) -> dict[str, tuple[int, int, list[str]]]: ...
     def start_federation(self, settings_json: str) -> None: ...
     @property
@@ -135,8 +150,9 @@ class EphemeralClient:
 
 def validate_channel(name: str) -> None: ...
 def read_channel(
-    data_dir: str | PathLike[str], channel: str, start_offset: int = 0
+    data_dir: str | PathLike[str], channel: str, start_offset: int = 0, *, skip_gaps: bool = False
 ) -> RecordIter: ...
+def loss_counts() -> dict[str, int]: ...
 def keygen_ca(
     out_cert: str | PathLike[str] = ...,
     out_key: str | PathLike[str] = ...,
