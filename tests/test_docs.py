@@ -140,3 +140,34 @@ def test_every_exported_name_has_a_docstring() -> None:
                     missing.append(f"{name}.{member}")
     assert not missing
     assert _own_doc("publish", km.Messenger.publish)
+
+
+@needs_repository
+def test_makefile_has_the_targets_ci_uses() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, re.M))
+    assert {"test", "lint", "bench", "docs", "wheels", "fuzz"} <= targets
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    for target in ("lint-rust", "lint-python", "docs-deps", "docs", "bench-smoke", "fuzz",
+                   "wheels"):  # fmt: skip
+        assert re.search(rf"^make {target}\b", ci, re.M), target
+        assert target in targets
+    # The docs extra and the Makefile name the same documentation packages.
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    for dep in re.findall(r'"(mkdocs[^"]*)"', makefile):
+        assert f'"{dep}"' in pyproject
+    out = subprocess.run(
+        ["make", "-n", "test", "lint", "bench", "docs", "wheels"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+
+
+@needs_repository
+def test_contributing_and_changelog() -> None:
+    contributing = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    for heading in ("Layout", "Running the tests", "Benchmarks", "Fuzzing",
+                    "Adding a configuration key", "Releasing"):  # fmt: skip
+        assert f"\n## {heading}\n" in contributing
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert "keepachangelog.com" in changelog and "\n## [Unreleased]\n" in changelog
