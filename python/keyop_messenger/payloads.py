@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, is_typeddict
 
+from . import _core
 from .errors import PayloadTypeError
 
 __all__ = ["PayloadRegistry", "to_plain"]
@@ -78,10 +79,13 @@ class PayloadRegistry:
 
         Raises :class:`PayloadTypeError` if ``name`` is empty or already
         registered, or if ``cls`` is not a dataclass, a pydantic model, or a
-        ``dict``/``TypedDict`` class.
+        ``dict``/``TypedDict`` class; :class:`InvalidNameError` if ``name`` is
+        not a valid ``payload_type`` (the engine's rule: at most 255 bytes, no
+        control characters), as a publish with it would be refused.
         """
         if not isinstance(name, str) or not name:
             raise PayloadTypeError("payload type name must be a non-empty string")
+        _core.validate_payload_type(name)
         if not isinstance(cls, type):
             raise PayloadTypeError(f"payload type {name!r}: expected a class, got {cls!r}")
         entry = self._entry_for(name, cls)
