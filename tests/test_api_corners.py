@@ -265,3 +265,17 @@ def test_register_payload_type_accepts_valid_names(tmp_path: Path, name: str) ->
 def test_register_payload_type_empty_name_is_still_a_payload_type_error(tmp_path: Path) -> None:
     with Messenger(config_dict(tmp_path)) as m, pytest.raises(PayloadTypeError):
         m.register_payload_type("", dict)
+
+
+def test_async_messenger_accepts_a_dict(tmp_path: Path) -> None:
+    import asyncio
+
+    from keyop_messenger.aio import AsyncMessenger
+
+    async def main() -> list[str]:
+        async with AsyncMessenger(config_dict(tmp_path)) as m:
+            msg_id = await m.publish("temps", "t", {"c": 1})
+            return [msg_id, *(e.message.id for e in m.messenger.read_channel("temps"))]
+
+    first, *stored = asyncio.run(main())
+    assert stored == [first]
