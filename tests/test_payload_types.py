@@ -369,3 +369,19 @@ def test_decoder_is_built_once_at_registration(
     for _ in range(3):
         m.publish("c", "demo.Reading", reading())
     assert read_back(m) == [reading()] * 3
+
+
+def test_unresolvable_annotation_is_refused_at_registration(m: Messenger) -> None:
+    @dataclasses.dataclass
+    class LocalInner:
+        x: int
+
+    @dataclasses.dataclass
+    class LocalOuter:
+        inner: LocalInner  # a string annotation naming a function-local class
+
+    with pytest.raises(PayloadTypeError, match=r"LocalOuter: cannot resolve the type hints"):
+        m.register_payload_type("demo.LocalOuter", LocalOuter)
+    m.register_payload_type("demo.LocalInner", LocalInner)  # builtins resolve anywhere
+    m.publish("c", "demo.LocalInner", LocalInner(3))
+    assert read_back(m) == [LocalInner(3)]

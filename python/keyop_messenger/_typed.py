@@ -340,7 +340,11 @@ class _Builder:
         try:
             return typing.get_type_hints(cls)
         except Exception as exc:
-            raise UnsupportedType(f"{where}: cannot resolve the type hints: {exc}") from None
+            raise UnsupportedType(
+                f"{where}: cannot resolve the type hints ({exc}); the classes named in "
+                "string annotations must be importable from the class's module (define "
+                "them at module level)"
+            ) from None
 
     def build(self, tp: Any, where: str) -> Decoder:
         try:
