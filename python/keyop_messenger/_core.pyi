@@ -21,6 +21,7 @@ __all__ = [
     "loss_counts",
     "read_channel",
     "validate_channel",
+    "validate_payload_type",
 ]
 
 __version__: str
@@ -174,6 +175,7 @@ class EphemeralClient:
     def close(self) -> None: ...
 
 def validate_channel(name: str) -> None: ...
+def validate_payload_type(name: str) -> None: ...
 def read_channel(
     data_dir: str | PathLike[str], channel: str, start_offset: int = 0, *, skip_gaps: bool = False
 ) -> RecordIter: ...
