@@ -1,6 +1,11 @@
 //! The channel writer: the single path through which every append to a
 //! channel goes, with group commit.
 //!
+//! Why this file is long: the group commit (the batch slots, `append`,
+//! `gather`, `lead`, `close`) is one lock-and-wake protocol that has to be
+//! read in one place; the batch's I/O is in `writer/commit.rs`, the
+//! notifier and counters in their own files.
+//!
 //! Callers append whole records. The first caller to find no flush in
 //! progress becomes the leader: it takes every record queued at that moment,
 //! writes them with one positioned write, calls `fdatasync` once (durable
@@ -28,6 +33,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+pub use counters::{CounterSnapshot, WriterCounters};
+pub use notify::CommitNotifier;
+
 use super::fdpool::{PooledFile, NO_OWNER};
 use super::segment;
 use super::StorageError;
@@ -51,48 +59,6 @@ pub struct Appended {
     pub end: u64,
 }
 
-/// Counters of one writer since it was opened.
-#[derive(Debug, Default)]
-pub struct WriterCounters {
-    pub records: AtomicU64,
-    pub appends: AtomicU64,
-    pub batches: AtomicU64,
-    pub writes: AtomicU64,
-    pub fsyncs: AtomicU64,
-    pub bytes: AtomicU64,
-    pub rolls: AtomicU64,
-    pub failures: AtomicU64,
-}
-
-/// A plain copy of [`WriterCounters`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CounterSnapshot {
-    pub records: u64,
-    pub appends: u64,
-    pub batches: u64,
-    pub writes: u64,
-    pub fsyncs: u64,
-    pub bytes: u64,
-    pub rolls: u64,
-    pub failures: u64,
-}
-
-impl WriterCounters {
-    fn snapshot(&self) -> CounterSnapshot {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        CounterSnapshot {
-            records: l(&self.records),
-            appends: l(&self.appends),
-            batches: l(&self.batches),
-            writes: l(&self.writes),
-            fsyncs: l(&self.fsyncs),
-            bytes: l(&self.bytes),
-            rolls: l(&self.rolls),
-            failures: l(&self.failures),
-        }
-    }
-}
-
 /// Test hook: which I/O step an injected fault hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultPoint {
@@ -107,85 +73,6 @@ pub enum FaultPoint {
     SyncErrno { errno: i32 },
     /// Creating the next segment at a roll: ENOSPC.
     Roll,
-}
-
-/// Wakes readers when the committed end of the channel moves.
-#[derive(Debug, Default)]
-pub struct CommitNotifier {
-    end: AtomicU64,
-    state: Mutex<NotifyState>,
-    cv: Condvar,
-    /// Wakes async readers (federation links).
-    async_wake: tokio::sync::Notify,
-}
-
-#[derive(Debug, Default)]
-struct NotifyState {
-    waiters: usize,
-    closed: bool,
-    /// Bumped by [`CommitNotifier::wake_all`] so waiters return at once.
-    kicks: u64,
-}
-
-impl CommitNotifier {
-    /// Global offset up to which records are committed and may be read.
-    pub fn committed_end(&self) -> u64 {
-        self.end.load(Ordering::Acquire)
-    }
-
-    fn publish(&self, end: u64) {
-        self.end.store(end, Ordering::Release);
-        self.async_wake.notify_waiters();
-        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if st.waiters > 0 {
-            self.cv.notify_all();
-        }
-    }
-
-    fn close(&self) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.closed = true;
-        self.cv.notify_all();
-        self.async_wake.notify_waiters();
-    }
-
-    /// Async wait until the committed end passes `pos` (or a close). Returns
-    /// at once when it already has.
-    pub async fn changed_past(&self, pos: u64) {
-        let notified = self.async_wake.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        if self.committed_end() > pos || self.state.lock().unwrap_or_else(|e| e.into_inner()).closed
-        {
-            return;
-        }
-        notified.await;
-    }
-
-    /// Waits until the committed end passes `pos`, the writer closes, or
-    /// `timeout` elapses; returns the committed end.
-    pub fn wait_past(&self, pos: u64, timeout: Duration) -> u64 {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if self.committed_end() <= pos && !st.closed {
-            st.waiters += 1;
-            let kicks = st.kicks;
-            let (mut g, _) = self
-                .cv
-                .wait_timeout_while(st, timeout, |s| {
-                    !s.closed && s.kicks == kicks && self.end.load(Ordering::Acquire) <= pos
-                })
-                .unwrap_or_else(|e| e.into_inner());
-            g.waiters -= 1;
-        }
-        self.committed_end()
-    }
-
-    /// Wakes every waiter without a new commit (used when stopping readers).
-    pub fn wake_all(&self) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.kicks += 1;
-        self.cv.notify_all();
-    }
 }
 
 struct Active {
@@ -757,5 +644,7 @@ impl ChannelWriter {
 }
 
 mod commit;
+mod counters;
+mod notify;
 #[cfg(test)]
 mod tests;
