@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -64,6 +65,16 @@ def fds_into(directory: Path) -> list[str]:
         if target.startswith(root):
             out.append(target)
     return out
+
+
+def open_sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            continue
+    return n
 
 
 def active_segment(data_dir: Path, channel: str) -> Path:
@@ -245,6 +256,7 @@ def test_close_releases_every_file_without_gc(tmp_path: Path) -> None:
 
 def test_close_releases_every_file_with_federation(tmp_path: Path, pki: Any) -> None:
     hub_dir, node_dir = tmp_path / "hub", tmp_path / "node"
+    sockets_before = open_sockets()
     hub = Messenger(hub_config(pki, hub_dir, [peer("node1", subscribe=["news"], publish=["up"])]))
     node = Messenger(
         client_config(pki, node_dir, "node1", hub_port(hub), subscribe=["news"], publish=["up"])
@@ -266,6 +278,37 @@ def test_close_releases_every_file_with_federation(tmp_path: Path, pki: Any) -> 
         hub.close()
     assert fds_into(node_dir) == []
     assert fds_into(hub_dir) == []
+    assert open_sockets() <= sockets_before, "a listener or connection outlived close()"
+
+
+def test_federation_read_errors_are_rate_limited(
+    tmp_path: Path, pki: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hub that cannot read a channel it owes a peer logs the error once
+    per interval instead of thousands of times a second."""
+    hub_dir, node_dir = tmp_path / "hub", tmp_path / "node"
+    hub = Messenger(hub_config(pki, hub_dir, [peer("node1", subscribe=["news"])]))
+    node_cfg = client_config(pki, node_dir, "node1", hub_port(hub), subscribe=["news"])
+    node = Messenger(node_cfg)
+    try:
+        wait_peers(hub, "node1")
+        node.close()  # the hub keeps node1's cursor
+        wait_peers(hub)
+        for i in range(5):
+            hub.publish("news", "t", {"i": i})  # owed to node1
+        news = hub_dir / "channels" / "news"
+        news.rename(news.with_name("news.moved"))
+        news.write_text("not a directory\n")  # every read of the channel fails
+        caplog.clear()
+        caplog.set_level(logging.ERROR, logger="keyop_core")
+        node = Messenger(node_cfg)
+        wait_peers(hub, "node1")
+        time.sleep(2.0)
+        errors = [r for r in caplog.records if "cannot read for federation" in r.getMessage()]
+        assert 1 <= len(errors) <= 2, f"{len(errors)} read errors logged in 2 s"
+    finally:
+        node.close()
+        hub.close()
 
 
 # ---------------------------------------------------------------------------
