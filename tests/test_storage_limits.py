@@ -180,10 +180,16 @@ def test_open_segment_files_stay_under_the_budget(many_channels: dict[str, Any])
 # ---------------------------------------------------------------------------
 
 
+#: The active segment is checked at every commit in durable mode, at most
+#: once per millisecond in relaxed mode (sync_interval_ms > 0).
+CHECK_PAUSE_S = 0.01
+
+
+@pytest.mark.parametrize("sync_ms", [0, 20])
 def test_unlinked_active_segment_fails_the_next_publish_and_loses_nothing(
-    tmp_path: Path,
+    tmp_path: Path, sync_ms: int
 ) -> None:
-    cfg = make_config(tmp_path)
+    cfg = make_config(tmp_path, sync_interval_ms=sync_ms)
     data_dir = tmp_path / "data"
     got: list[str] = []
     with Messenger(cfg) as m:
@@ -191,6 +197,7 @@ def test_unlinked_active_segment_fails_the_next_publish_and_loses_nothing(
         acked = [m.publish("ch", "t", {"i": i}) for i in range(3)]
         seg = active_segment(data_dir, "ch")
         seg.unlink()
+        time.sleep(CHECK_PAUSE_S)
         with pytest.raises(StorageError) as info:
             m.publish("ch", "t", {"doomed": True})
         text = str(info.value)
@@ -208,8 +215,11 @@ def test_unlinked_active_segment_fails_the_next_publish_and_loses_nothing(
         assert [e.message.id for e in again.read_channel("ch")] == acked
 
 
-def test_replaced_active_segment_refuses_publishes_until_reopened(tmp_path: Path) -> None:
-    cfg = make_config(tmp_path)
+@pytest.mark.parametrize("sync_ms", [0, 20])
+def test_replaced_active_segment_refuses_publishes_until_reopened(
+    tmp_path: Path, sync_ms: int
+) -> None:
+    cfg = make_config(tmp_path, sync_interval_ms=sync_ms)
     data_dir = tmp_path / "data"
     with Messenger(cfg) as m:
         before = [m.publish("ch", "t", {"i": i}) for i in range(3)]
@@ -217,6 +227,7 @@ def test_replaced_active_segment_refuses_publishes_until_reopened(tmp_path: Path
         stranger = seg.with_name("stranger.tmp")
         shutil.copyfile(seg, stranger)  # same records, another inode
         os.replace(stranger, seg)
+        time.sleep(CHECK_PAUSE_S)
         for _ in range(5):
             with pytest.raises(StorageError) as info:
                 m.publish("ch", "t", {"doomed": True})

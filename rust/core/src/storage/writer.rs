@@ -87,6 +87,8 @@ struct Active {
     /// later append fails with this error (nothing is acknowledged into a
     /// file no one can read) until the data directory is opened again.
     broken: Option<StorageError>,
+    /// When the file was last checked to be the one its path names.
+    checked: Instant,
 }
 
 struct Outcome {
@@ -241,6 +243,7 @@ impl ChannelWriter {
                 len: 0,
                 tainted: false,
                 broken: None,
+                checked: Instant::now(),
             },
             Some(&start) => {
                 let path = segment::segment_path(dir, start);
@@ -257,6 +260,7 @@ impl ChannelWriter {
                     len: good,
                     tainted: false,
                     broken: None,
+                    checked: Instant::now(),
                 }
             }
         };
