@@ -1,7 +1,7 @@
 //! The channel writer: the single path through which every append to a
 //! channel goes, with group commit.
 //!
-//! Why this file is long: the group commit (the batch slots, `append`,
+//! why this file is long: the group commit (the batch slots, `append`,
 //! `gather`, `lead`, `close`) is one lock-and-wake protocol that has to be
 //! read in one place; the batch's I/O is in `writer/commit.rs`, the
 //! notifier and counters in their own files.
