@@ -252,6 +252,9 @@ def test_close_releases_every_file_without_gc(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     cfg = make_config(tmp_path, compaction_threshold_mb=1)
     got: list[Message] = []
+    threads_before = len(os.listdir("/proc/self/task"))
+    m = Messenger(make_config(tmp_path, compaction_threshold_mb=1, sync_interval_ms=50))
+    m.close()  # a first messenger, closed, with its fsync timer and retention thread
     m = Messenger(cfg)
     subs = [m.subscribe(f"ch{i}", "s", got.append) for i in range(3)]
     for i in range(3):
@@ -263,6 +266,8 @@ def test_close_releases_every_file_without_gc(tmp_path: Path) -> None:
     m.close()
     assert fds_into(data_dir) == []
     assert subs  # the subscriptions are still referenced, not collected
+    # Subscriber threads, the retention thread and the fsync timer are gone.
+    assert len(os.listdir("/proc/self/task")) == threads_before
 
 
 def test_close_releases_every_file_with_federation(tmp_path: Path, pki: Any) -> None:
