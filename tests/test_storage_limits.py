@@ -465,3 +465,51 @@ def test_threads_of_concurrent_publishers_see_the_lost_segment(tmp_path: Path) -
     with Messenger(cfg) as again:
         on_disk = {e.message.id for e in again.read_channel("ch")}
     assert set(acked) <= on_disk, f"{len(set(acked) - on_disk)} acknowledged records lost"
+
+
+def test_fork_while_threads_use_segment_files(tmp_path: Path) -> None:
+    """The pool of open files is process-wide state: a child forked while
+    other threads publish and read must not inherit its lock held (it would
+    hang at its first segment file). Each child opens its own messenger and
+    publishes once."""
+    stop = threading.Event()
+    with Messenger(make_config(tmp_path)) as m:
+
+        def churn(k: int) -> None:
+            n = 0
+            while not stop.is_set() and n < 20_000:
+                m.publish(f"ch{k}-{n % 40}", "t", {"n": n})
+                if n % 10 == 0:
+                    list(m.read_channel(f"ch{k}-{n % 40}"))
+                n += 1
+
+        threads = [threading.Thread(target=churn, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(10):
+                child_dir = tmp_path / f"child{i}"
+                pid = os.fork()
+                if pid == 0:  # the child: no pytest from here on
+                    code = 1
+                    try:
+                        with Messenger(make_config(child_dir)) as c:
+                            c.publish("x", "t", {"i": i})
+                            code = 0 if len(list(c.read_channel("x"))) == 1 else 2
+                    finally:
+                        os._exit(code)
+                deadline = time.monotonic() + 30
+                while True:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        break
+                    if time.monotonic() > deadline:
+                        os.kill(pid, 9)
+                        os.waitpid(pid, 0)
+                        raise AssertionError(f"forked child {i} hung")
+                    time.sleep(0.01)
+                assert os.waitstatus_to_exitcode(status) == 0, f"child {i} failed"
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)

@@ -51,14 +51,40 @@ pub struct FilePool {
 /// The process-wide pool.
 pub fn pool() -> &'static FilePool {
     static POOL: OnceLock<FilePool> = OnceLock::new();
-    POOL.get_or_init(|| FilePool {
-        inner: Mutex::new(Inner {
-            open: LruCache::unbounded(),
-            capacity: capacity_from_rlimit(),
-            closed_owners: HashSet::new(),
-        }),
-        next_id: AtomicU64::new(1),
+    POOL.get_or_init(|| {
+        // SAFETY: registers plain functions; they only lock and unlock the
+        // pool's mutex on the forking thread.
+        unsafe {
+            libc::pthread_atfork(Some(fork_prepare), Some(fork_done), Some(fork_done));
+        }
+        FilePool {
+            inner: Mutex::new(Inner {
+                open: LruCache::unbounded(),
+                capacity: capacity_from_rlimit(),
+                closed_owners: HashSet::new(),
+            }),
+            next_id: AtomicU64::new(1),
+        }
     })
+}
+
+thread_local! {
+    /// The pool's lock, held by the forking thread across `fork()`.
+    static FORK_GUARD: std::cell::RefCell<Option<MutexGuard<'static, Inner>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Before `fork()`: takes the pool's lock, so no other thread holds it at
+/// the moment the child is made (a child would otherwise inherit it locked
+/// and hang at its first segment file, e.g. a forked Spark worker).
+extern "C" fn fork_prepare() {
+    let guard = pool().lock();
+    FORK_GUARD.with(|g| *g.borrow_mut() = Some(guard));
+}
+
+/// After `fork()`, in the parent and in the child: releases it.
+extern "C" fn fork_done() {
+    FORK_GUARD.with(|g| g.borrow_mut().take());
 }
 
 /// A quarter of the soft `RLIMIT_NOFILE`, between 8 and 8192.
