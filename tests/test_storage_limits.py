@@ -470,32 +470,36 @@ def test_threads_of_concurrent_publishers_see_the_lost_segment(tmp_path: Path) -
 def test_fork_while_threads_use_segment_files(tmp_path: Path) -> None:
     """The pool of open files is process-wide state: a child forked while
     other threads publish and read must not inherit its lock held (it would
-    hang at its first segment file). Each child opens its own messenger and
-    publishes once."""
+    hang at its first segment file). Each child reads a channel and opens a
+    messenger of its own."""
     stop = threading.Event()
+    data_dir = tmp_path / "data"
     with Messenger(make_config(tmp_path)) as m:
+        for k in range(8):
+            m.publish_batch(f"ch{k}", [("t", {"j": j}) for j in range(20)])
 
         def churn(k: int) -> None:
             n = 0
-            while not stop.is_set() and n < 20_000:
-                m.publish(f"ch{k}-{n % 40}", "t", {"n": n})
-                if n % 10 == 0:
-                    list(m.read_channel(f"ch{k}-{n % 40}"))
+            while not stop.is_set() and n < 1_000_000:
+                if k == 0 and n % 50 == 0:
+                    m.publish(f"ch{n % 8}", "t", {"n": n})
+                list(read_channel(data_dir, f"ch{(n + k) % 8}"))
                 n += 1
 
-        threads = [threading.Thread(target=churn, args=(k,)) for k in range(2)]
+        threads = [threading.Thread(target=churn, args=(k,)) for k in range(3)]
         for t in threads:
             t.start()
         try:
-            for i in range(10):
-                child_dir = tmp_path / f"child{i}"
+            for i in range(60):
                 pid = os.fork()
                 if pid == 0:  # the child: no pytest from here on
                     code = 1
                     try:
-                        with Messenger(make_config(child_dir)) as c:
-                            c.publish("x", "t", {"i": i})
-                            code = 0 if len(list(c.read_channel("x"))) == 1 else 2
+                        ok = len(list(read_channel(data_dir, "ch1"))) >= 20
+                        if i % 10 == 0:
+                            with Messenger(make_config(tmp_path / f"child{i}")) as c:
+                                c.publish("x", "t", {"i": i})
+                        code = 0 if ok else 2
                     finally:
                         os._exit(code)
                 deadline = time.monotonic() + 30
@@ -507,7 +511,7 @@ def test_fork_while_threads_use_segment_files(tmp_path: Path) -> None:
                         os.kill(pid, 9)
                         os.waitpid(pid, 0)
                         raise AssertionError(f"forked child {i} hung")
-                    time.sleep(0.01)
+                    time.sleep(0.005)
                 assert os.waitstatus_to_exitcode(status) == 0, f"child {i} failed"
         finally:
             stop.set()
