@@ -1,7 +1,9 @@
 //! The I/O of a batch: positioned writes, fdatasync, segment rolls, cutting
 //! back a failed write, and the check that the active segment is still the
-//! file its path names (once per batch, after the write, before any caller
-//! is acknowledged).
+//! file its path names (after the write, before any caller is acknowledged:
+//! every batch in durable mode, at most once a millisecond in relaxed mode).
+//! An unlinked segment is written back from the open file; a replaced one
+//! stops the writer until the data directory is opened again.
 
 use std::fs::File;
 use std::io;
