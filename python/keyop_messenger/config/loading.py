@@ -45,6 +45,7 @@ class Config(ConfigFields):
         dedup: The ``dedup`` section.
         audit: The ``audit`` section.
         metrics: The ``metrics`` section.
+        retention: The ``retention`` section.
     """
 
     @classmethod
@@ -129,7 +130,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
 _UNKNOWN_KEY_HINTS: dict[str, str] = {
     "storage.max_segment_bytes": (
-        "the segment size is set by storage.compaction_threshold_mb, in MiB"
+        "the segment size is set by storage.segment_size_mb, in MiB"
     ),
 }
 

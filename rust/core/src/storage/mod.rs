@@ -4,6 +4,7 @@
 pub mod compaction;
 pub mod fdpool;
 pub mod offsets;
+pub mod quarantine;
 pub mod reader;
 pub mod segment;
 pub mod testhook;
