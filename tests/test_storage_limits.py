@@ -250,10 +250,10 @@ def test_replaced_active_segment_refuses_publishes_until_reopened(
 
 def test_close_releases_every_file_without_gc(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
-    cfg = make_config(tmp_path, compaction_threshold_mb=1)
+    cfg = make_config(tmp_path, segment_size_mb=1)
     got: list[Message] = []
     threads_before = len(os.listdir("/proc/self/task"))
-    m = Messenger(make_config(tmp_path, compaction_threshold_mb=1, sync_interval_ms=50))
+    m = Messenger(make_config(tmp_path, segment_size_mb=1, sync_interval_ms=50))
     m.close()  # a first messenger, closed, with its fsync timer and retention thread
     m = Messenger(cfg)
     subs = [m.subscribe(f"ch{i}", "s", got.append) for i in range(3)]
