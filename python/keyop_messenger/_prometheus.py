@@ -27,7 +27,7 @@ _Labels = tuple[tuple[str, str], ...]
 
 
 def _escape_label(value: str) -> str:
-    """A label value as the text format wants it: ``\\``, ``"`` and newline escaped."""
+    r"""A label value as the text format wants it: ``\``, ``"`` and newline escaped."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 

@@ -203,6 +203,7 @@ def _check_read_schema(schema: StructType) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ReadSpec:
+    """The checked read options: what to read and from where (built on the driver)."""
     data_dir: str
     channel: str
     start_offset: str
@@ -212,6 +213,7 @@ class ReadSpec:
 
     @classmethod
     def from_options(cls, options: Any, schema: StructType) -> ReadSpec:
+        """Checks the read options and the schema; ``ValueError`` names the first problem."""
         o = Options(options)
         # Absolute, resolved on the driver: executors may run in another directory.
         data_dir = os.path.abspath(o.required("data_dir", "the data directory to read"))
@@ -241,6 +243,8 @@ class ReadSpec:
         )
 
     def start(self) -> int:
+        """The offset the read starts at (``earliest``, ``latest`` or a byte offset moved to the
+        next record)."""
         if self.start_offset == "earliest":
             return 0
         if self.start_offset == "latest":
@@ -248,9 +252,11 @@ class ReadSpec:
         return align_offset(self.data_dir, self.channel, int(self.start_offset))
 
     def partitions(self, start: int, end: int) -> list[KeyopPartition]:
+        """The input partitions covering the byte range ``[start, end)``, cut between records."""
         return plan_partitions(self.data_dir, self.channel, start, end, self.max_partition_bytes)
 
     def read(self, partition: KeyopPartition) -> Iterator[pa.RecordBatch]:
+        """The records of ``partition`` as Arrow batches of the read schema."""
         return _read_partition(self.data_dir, self.channel, partition, self.schema)
 
 
@@ -304,16 +310,19 @@ def _read_partition(
 
 
 class BatchReader(DataSourceReader):
+    """Batch read of a channel: everything committed when the read was planned."""
     def __init__(self, spec: ReadSpec) -> None:
         self.spec = spec
         self.end = stream_end(spec.data_dir, spec.channel)
 
     def partitions(self) -> Sequence[InputPartition]:
+        """One input partition per segment file (split further by ``max_partition_bytes``)."""
         parts = self.spec.partitions(self.spec.start(), self.end)
         # Spark needs at least one partition; an empty range reads nothing.
         return parts or [KeyopPartition(0, 0, 0, 0)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The records of one input partition as Arrow batches."""
         assert isinstance(partition, KeyopPartition)
         if partition.end <= partition.start:
             return iter(())

@@ -366,8 +366,9 @@ impl PyEngine {
 
     /// Test hook: fail the next `count` I/O steps of `kind` ("write",
     /// "sync" or "roll") on `channel`; a failing write first writes
-    /// `partial` bytes.
-    #[pyo3(signature = (channel, kind, count = 1, partial = 0))]
+    /// `partial` bytes. `errno` (write and sync) picks the OS error instead
+    /// of ENOSPC (write) or EIO (sync).
+    #[pyo3(signature = (channel, kind, count = 1, partial = 0, errno = 0))]
     fn _inject_fault(
         &self,
         py: Python<'_>,
@@ -375,8 +376,11 @@ impl PyEngine {
         kind: &str,
         count: u32,
         partial: usize,
+        errno: i32,
     ) -> PyResult<()> {
         let point = match kind {
+            "write" if errno != 0 => FaultPoint::WriteErrno { partial, errno },
+            "sync" if errno != 0 => FaultPoint::SyncErrno { errno },
             "write" => FaultPoint::Write { partial },
             "sync" => FaultPoint::Sync,
             "roll" => FaultPoint::Roll,
@@ -1148,6 +1152,15 @@ fn validate_channel(py: Python<'_>, name: &str) -> PyResult<()> {
         .py_err(py)
 }
 
+/// Raises InvalidNameError unless `name` is a valid payload type: the
+/// engine's rule for the envelope's `payload_type` field.
+#[pyfunction]
+fn validate_payload_type(py: Python<'_>, name: &str) -> PyResult<()> {
+    keyop_core::envelope::validate_field("payload_type", name)
+        .map_err(keyop_core::Error::InvalidRecord)
+        .py_err(py)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The engine's log records go to Python logging (loggers named after the
@@ -1161,6 +1174,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
     m.add_function(wrap_pyfunction!(validate_channel, m)?)?;
     m.add_function(wrap_pyfunction!(loss_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_payload_type, m)?)?;
     keygen::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_RECORD_BYTES", keyop_core::envelope::MAX_RECORD_BYTES)?;
