@@ -19,6 +19,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 static REQUESTED: AtomicBool = AtomicBool::new(false);
 
+/// A buffer at least this large, once processed and freed, is worth a
+/// [`request`] (a received federation message, for instance).
+pub const LARGE_BYTES: usize = 1024 * 1024;
+
 /// Allocations at least this large are mapped on their own (glibc's
 /// default start value, made fixed).
 pub const MMAP_THRESHOLD_BYTES: i32 = 128 * 1024;

@@ -20,19 +20,38 @@
 //!   descriptors the channel files and the audit log need.
 //!
 //! Eviction cancels the connection's token; its task drops the socket.
+//! [`ws_config`] keeps each connection's WebSocket buffers small.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_util::sync::CancellationToken;
 
+use super::link::max_message_size;
 use super::MAX_CONNECTIONS;
 
 /// Most connections still opening (before the application handshake).
 pub const MAX_PENDING: usize = 256;
 /// Most connections (opening and established) of one certificate CN.
 pub const MAX_PER_PEER: usize = 64;
+
+/// Read and write buffer of a connection: small, so that many idle or
+/// opening connections cost little (large messages grow them on demand).
+pub const WS_BUFFER_BYTES: usize = 16 * 1024;
+
+/// WebSocket limits of a federation connection: small buffers, and no
+/// message or frame larger than [`max_message_size`].
+pub fn ws_config(max_batch_bytes: usize) -> WebSocketConfig {
+    let max = max_message_size(max_batch_bytes);
+    WebSocketConfig::default()
+        .read_buffer_size(WS_BUFFER_BYTES)
+        .write_buffer_size(WS_BUFFER_BYTES)
+        .max_write_buffer_size(max.saturating_mul(2))
+        .max_message_size(Some(max))
+        .max_frame_size(Some(max))
+}
 
 /// The caps of a connection table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
-use super::conns::{ConnGuard, ConnTable, Limits};
+use super::conns::{self, ConnGuard, ConnTable, Limits};
 use super::link::{self, Inbound, OutChannel};
 use super::wire::{Handshake, CLOSE_NOT_ALLOWED, CLOSE_NOT_ALLOWED_REASON, FEATURE_REFUSALS};
 use super::{tls, AllowedPeer, FedError, HubSettings, Shared, HANDSHAKE_TIMEOUT};
@@ -249,7 +249,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
     let shared = state.shared.clone();
     let remote_s = remote.to_string();
     let _ = tcp.set_nodelay(true);
-    let ws_cfg = link::ws_config(shared.link.max_batch_bytes);
+    let ws_cfg = conns::ws_config(shared.link.max_batch_bytes);
     // TLS, upgrade and the client's handshake must all arrive in time, and
     // the connection may be evicted meanwhile (conns.rs).
     let opening = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {

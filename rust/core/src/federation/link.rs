@@ -13,7 +13,6 @@ use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, Mutex};
-use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
@@ -36,26 +35,6 @@ pub fn max_message_size(max_batch_bytes: usize) -> usize {
     max_batch_bytes
         .saturating_add(MAX_RECORD_BYTES)
         .saturating_add(64 * 1024)
-}
-
-/// Read and write buffer of a connection: small, so that many idle or
-/// opening connections cost little (large messages grow them on demand).
-pub const WS_BUFFER_BYTES: usize = 16 * 1024;
-
-/// A received message at least this large asks for freed memory to be
-/// given back once it is processed (`memtrim`).
-const LARGE_MESSAGE_BYTES: usize = 1024 * 1024;
-
-/// WebSocket limits of a federation connection: small buffers, and no
-/// message or frame larger than [`max_message_size`].
-pub fn ws_config(max_batch_bytes: usize) -> WebSocketConfig {
-    let max = max_message_size(max_batch_bytes);
-    WebSocketConfig::default()
-        .read_buffer_size(WS_BUFFER_BYTES)
-        .write_buffer_size(WS_BUFFER_BYTES)
-        .max_write_buffer_size(max.saturating_mul(2))
-        .max_message_size(Some(max))
-        .max_frame_size(Some(max))
 }
 
 /// One channel this side sends from.
@@ -214,7 +193,7 @@ where
         match msg {
             Message::Binary(body) => {
                 let received = receive_batch(shared, inbound, &body).await;
-                if body.len() >= LARGE_MESSAGE_BYTES {
+                if body.len() >= crate::memtrim::LARGE_BYTES {
                     drop(body);
                     crate::memtrim::request();
                 }
