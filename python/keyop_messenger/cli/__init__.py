@@ -2,7 +2,7 @@
 
 The entry point is :func:`main` (module :mod:`.app`); each command group has its
 module: :mod:`.keygen`, :mod:`.pubsub` (pub, sub, tail), :mod:`.stats`,
-:mod:`.dead_letters`, :mod:`.bench` (which imports :mod:`keyop_messenger.bench`
+:mod:`.dead_letters`, :mod:`.run`, :mod:`.bench` (which imports :mod:`keyop_messenger.bench`
 only when the command runs); :mod:`.common` holds what they share.
 
 Commands (``shared/spec/cli.md`` for ``version`` and ``keygen``)::
@@ -20,6 +20,11 @@ Commands (``shared/spec/cli.md`` for ``version`` and ``keygen``)::
     keyop-messenger stats --config F [--json]
     keyop-messenger dead-letters [list] --data-dir D CHANNEL [--json]
     keyop-messenger dead-letters replay --config F CHANNEL [--id ID ...] [--force]
+    keyop-messenger run   --config F [--check] [-v|-vv|-q] [--log-format text|json]
+
+``run`` (module :mod:`.run`, ``docs/service.md``) serves one instance in the
+foreground until SIGTERM or SIGINT: exit status 0 on a clean stop, 2 for a bad
+command line or configuration, 1 for a failure at runtime.
 
 Keys are ECDSA P-384, written as SEC 1 ``EC PRIVATE KEY`` PEM files of mode
 0600 together with their certificates.

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import bench, dead_letters, keygen, pubsub, stats
+from . import bench, dead_letters, keygen, pubsub, run, stats
 from .common import CommandError, OpsUsageError, Parser, PipeClosed, UsageError
 
 
@@ -25,6 +25,7 @@ def _build_parser() -> Parser:
     pubsub.add_parsers(commands)
     stats.add_parsers(commands)
     dead_letters.add_parsers(commands)
+    run.add_parsers(commands)
     return parser
 
 

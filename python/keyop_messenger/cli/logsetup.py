@@ -1,0 +1,72 @@
+"""Logging of the ``run`` command: level from ``-v``/``-q``, text or JSON lines on stderr.
+
+The library itself only has loggers under ``keyop_messenger`` (the engine's
+Rust log events arrive there too, through pyo3-log) and a ``NullHandler``;
+an application configures logging itself. ``run`` is such an application.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import sys
+import time
+from typing import TextIO
+
+__all__ = ["JsonFormatter", "level_for", "setup_logging"]
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts`` (RFC 3339 UTC), ``level``, ``logger``,
+    ``message`` (and ``exc`` with the traceback when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        doc = {
+            "ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, ensure_ascii=False)
+
+
+def level_for(verbose: int, quiet: int) -> int:
+    """INFO by default; ``-v`` DEBUG, ``-vv`` DEBUG for every logger (not only
+    keyop_messenger); ``-q`` WARNING, ``-qq`` ERROR."""
+    if verbose:
+        return logging.DEBUG
+    return {0: logging.INFO, 1: logging.WARNING}.get(quiet, logging.ERROR)
+
+
+def setup_logging(
+    verbose: int = 0, quiet: int = 0, fmt: str = "text", stream: TextIO | None = None
+) -> logging.Handler:
+    """Sends ``keyop_messenger.*`` records (every logger's with ``-vv``) to
+    ``stream`` (stderr) in ``fmt`` (``text`` or ``json``); returns the handler."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        formatter = logging.Formatter(TEXT_FORMAT)
+        formatter.converter = time.gmtime
+        formatter.default_time_format = "%Y-%m-%dT%H:%M:%S"
+        formatter.default_msec_format = "%s.%03dZ"
+        handler.setFormatter(formatter)
+    level = level_for(verbose, quiet)
+    package = logging.getLogger("keyop_messenger")
+    package.setLevel(level)
+    if verbose >= 2:
+        root = logging.getLogger()
+        root.setLevel(logging.DEBUG)
+        root.addHandler(handler)
+    else:
+        package.addHandler(handler)
+        package.propagate = False
+    return handler
+

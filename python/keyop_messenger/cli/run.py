@@ -1,0 +1,175 @@
+"""``keyop-messenger run``: one messenger instance as a foreground service.
+
+Builds one :class:`~keyop_messenger.Messenger` from ``--config`` (hub and/or
+client as configured), serves ``metrics.listen_addr`` (``/metrics``,
+``/healthz``, ``/readyz``, ``/status``) when set, and runs until SIGTERM or
+SIGINT; then it flushes, closes its peers and exits 0. With ``NOTIFY_SOCKET``
+set (systemd ``Type=notify``) it sends ``READY=1`` once storage is open and the
+listeners are bound, ``WATCHDOG=1`` every ``WATCHDOG_USEC``/2 while storage
+answers, and ``STOPPING=1`` when shutdown begins.
+
+Exit statuses: 0 clean stop; 2 bad usage or configuration (every problem on
+stderr as ``Error: <file>: <key>: <what was expected>``); 1 runtime failure.
+``--check`` validates the configuration and the machine (TLS files readable
+and within their validity dates, data directory, listen addresses) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from .common import CONFIG_HELP, ops_command
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+log = logging.getLogger("keyop_messenger.service")
+
+#: Exit status of a bad command line or configuration.
+EXIT_CONFIG = 2
+#: Exit status of a failure at runtime (cannot bind, data directory held...).
+EXIT_RUNTIME = 1
+
+
+def add_parsers(commands: Any) -> None:
+    """Adds ``run`` to the subcommands ``commands``."""
+    run = ops_command(
+        commands,
+        "run",
+        _cmd_run,
+        help="run one messenger instance in the foreground until SIGTERM",
+        description="Runs the hub and/or client of the configuration, and its metrics "
+        "listener (/metrics, /healthz, /readyz, /status), until SIGTERM or SIGINT; then "
+        "flushes, closes peers and exits 0. Exit status 2: bad usage or configuration; "
+        "1: runtime failure. Speaks systemd's notify protocol when NOTIFY_SOCKET is set.",
+    )
+    run.add_argument("--config", required=True, metavar="F", help=CONFIG_HELP)
+    run.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration (certificates readable and valid now, paths, "
+        "listen addresses) and exit without starting",
+    )
+    run.add_argument(
+        "-v", "--verbose", action="count", default=0,
+        help="log more: -v debug for keyop_messenger, -vv debug for every library",
+    )  # fmt: skip
+    run.add_argument(
+        "-q", "--quiet", action="count", default=0, help="log less: -q warnings, -qq errors"
+    )
+    run.add_argument(
+        "--log-format", choices=("text", "json"), default="text",
+        help="log lines on stderr as text (default) or one JSON object per line",
+    )  # fmt: skip
+
+
+def _config_problems(path: str, problems: list[str]) -> int:
+    for problem in problems:
+        text = problem if problem.startswith(f"{path}:") else f"{path}: {problem}"
+        print(f"Error: {text}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def _load(path: str) -> Config:
+    from ..config import load_config
+
+    return load_config(path)
+
+
+class _Stop:
+    """Signals turned into an event the main loop waits on."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal is None:
+            self.signal = signum
+        self.event.set()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ..config.checks import check_environment
+    from ..errors import ConfigError
+    from .logsetup import setup_logging
+
+    setup_logging(args.verbose, args.quiet, args.log_format)
+    try:
+        config = _load(args.config)
+    except ConfigError as err:
+        return _config_problems(args.config, err.problems)
+    problems = check_environment(config)
+    if problems:
+        return _config_problems(args.config, problems)
+    if args.check:
+        print(f"{args.config}: configuration OK")
+        return 0
+    return serve(config)
+
+
+def serve(config: Config) -> int:
+    """Runs ``config`` until SIGTERM/SIGINT (main thread only); returns the exit status."""
+    from .._sdnotify import Notifier
+    from ..errors import KeyopError
+    from ..health import Health
+    from ..messenger import Messenger
+    from ..metrics import MetricsServer
+
+    stop = _Stop()
+    stop.install()
+    notifier = Notifier()
+    health = Health()
+    server: MetricsServer | None = None
+    messenger: Messenger | None = None
+    own = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, listen_addr=""))
+    try:
+        if config.metrics.listen_addr:
+            server = MetricsServer(None, config.metrics.listen_addr, health=health).start()
+            host, port = server.address
+            log.info("metrics, health and status on http://%s:%d/", host, port)
+        messenger = Messenger(own)
+        health.mark_ready(messenger)
+        hub = messenger.hub_address
+        if hub is not None:
+            log.info("hub %r listening on %s:%d", config.name, hub[0], hub[1])
+        for link in config.client.hubs if config.client.enabled else []:
+            log.info("client %r dialing %s", config.name, link.addr)
+        log.info("%r ready (data_dir %s)", config.name, config.storage.data_dir)
+        notifier.notify("READY=1", f"STATUS=serving {config.name}")
+        _wait(stop, notifier, health)
+        log.info("signal %d: stopping", stop.signal or 0)
+        return 0
+    except (KeyopError, OSError) as err:
+        log.error("%s", " ".join(str(err).split()) or type(err).__name__)
+        return EXIT_RUNTIME
+    finally:
+        notifier.notify("STOPPING=1")
+        health.mark_stopping()
+        if messenger is not None:
+            messenger.close()
+        if server is not None:
+            server.close()
+        log.info("stopped")
+
+
+def _wait(stop: _Stop, notifier: Any, health: Any) -> None:
+    """Waits for a stop signal, pinging the systemd watchdog while storage answers."""
+    interval = notifier.watchdog_s / 2 if notifier.watchdog_s else None
+    while not stop.event.wait(interval):
+        ready, reason = health.readiness()
+        if ready:
+            notifier.notify("WATCHDOG=1")
+        else:
+            log.warning("not ready (%s): watchdog ping withheld", reason)
