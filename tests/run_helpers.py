@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from fed_helpers import PKI, peer, tls_section
+
 #: Upper bound of every wait, seconds.
 WAIT_S = 20.0
 #: How long ``run`` may take to stop after SIGTERM.
@@ -34,6 +36,21 @@ STOP_S = 10.0
 def write_config(path: Path, doc: Mapping[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(dict(doc)))
     return path
+
+
+def hub_doc(pki: PKI, data_dir: Path, **extra: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "name": "hub1",
+        "storage": {"data_dir": str(data_dir)},
+        "hub": {
+            "enabled": True,
+            "listen_addr": "127.0.0.1:0",
+            "allowed_peers": [peer("node1", publish=["temps"], subscribe=["commands"])],
+        },
+        "tls": tls_section(pki, "hub1"),
+    }
+    doc.update(extra)
+    return doc
 
 
 class RunProcess:
@@ -173,6 +190,7 @@ __all__ = [
     "RunProcess",
     "http_get",
     "http_json",
+    "hub_doc",
     "poll",
     "run_once",
     "running",

@@ -7,32 +7,16 @@ import re
 import signal
 import socket
 from pathlib import Path
-from typing import Any
 
 import fed_helpers
-from fed_helpers import PKI, Inbox, Starter, client_config, peer, stored_ids, tls_section
+from fed_helpers import PKI, Inbox, Starter, client_config, stored_ids
 from keyop_messenger import _pki
-from run_helpers import poll, run_once, running, write_config
+from run_helpers import hub_doc, poll, run_once, running, write_config
 
 pki = fed_helpers.pki
 start = fed_helpers.start
 
 ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
-
-
-def hub_doc(pki: PKI, data_dir: Path, **extra: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "name": "hub1",
-        "storage": {"data_dir": str(data_dir)},
-        "hub": {
-            "enabled": True,
-            "listen_addr": "127.0.0.1:0",
-            "allowed_peers": [peer("node1", publish=["temps"], subscribe=["commands"])],
-        },
-        "tls": tls_section(pki, "hub1"),
-    }
-    doc.update(extra)
-    return doc
 
 
 def test_run_serves_until_sigterm_and_keeps_the_data(
@@ -150,3 +134,14 @@ def test_runtime_failure_exits_1(tmp_path: Path, pki: PKI) -> None:
         result = run_once(["--config", str(cfg)])
     assert result.returncode == 1, result.stderr
     assert "ERROR" in result.stderr and str(port) in result.stderr
+
+
+def test_sighup_does_not_stop_the_instance(tmp_path: Path, pki: PKI) -> None:
+    cfg = write_config(tmp_path / "hub.yaml", hub_doc(pki, tmp_path / "hub"))
+    with running(["--config", str(cfg)]) as hub:
+        hub.wait_ready()
+        hub.proc.send_signal(signal.SIGHUP)
+        hub.wait_line("SIGHUP")
+        socket.create_connection(("127.0.0.1", hub.hub_port()), timeout=5).close()
+        assert hub.proc.poll() is None
+        assert hub.stop() == 0

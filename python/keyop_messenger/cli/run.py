@@ -89,14 +89,19 @@ class _Stop:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signal: int | None = None
+        self.reloads = 0
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            self.reloads += 1
+            self.event.set()
+            return
         if self.signal is None:
             self.signal = signum
         self.event.set()
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self)
 
 
@@ -167,7 +172,19 @@ def serve(config: Config) -> int:
 def _wait(stop: _Stop, notifier: Any, health: Any) -> None:
     """Waits for a stop signal, pinging the systemd watchdog while storage answers."""
     interval = notifier.watchdog_s / 2 if notifier.watchdog_s else None
-    while not stop.event.wait(interval):
+    while True:
+        fired = stop.event.wait(interval)
+        if fired:
+            stop.event.clear()
+        if stop.signal is not None:
+            return
+        if fired:
+            if stop.reloads:
+                stop.reloads = 0
+                log.warning(
+                    "SIGHUP: reloading is not supported; restart to apply configuration changes"
+                )
+            continue
         ready, reason = health.readiness()
         if ready:
             notifier.notify("WATCHDOG=1")
