@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from . import bench, dead_letters, keygen, pubsub, run, stats
 from .common import CommandError, OpsUsageError, Parser, PipeClosed, UsageError
+from .logsetup import setup_command_logging
 
 
 def _build_parser() -> Parser:
@@ -18,6 +19,12 @@ def _build_parser() -> Parser:
         description="keyop-messenger: certificates and operator commands.",
     )
     parser.set_defaults(print_help=parser.print_help, kind=None, func=None)
+    from .. import __version__
+
+    parser.add_argument(
+        "--version", action="version", version=f"keyop-messenger {__version__}",
+        help="print the version and exit",
+    )  # fmt: skip
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     commands.add_parser("version", help="print the version")
     bench.add_parsers(commands)
@@ -67,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = _normalise(list(sys.argv[1:] if argv is None else argv))
     if args_list[:1] == ["bench"]:
         return bench.run(args_list[1:])
+    if args_list[:1] != ["run"]:
+        setup_command_logging()
     try:
         args = parser.parse_args(args_list)
         return _run(args)

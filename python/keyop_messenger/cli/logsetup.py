@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TextIO
 
-__all__ = ["JsonFormatter", "level_for", "setup_logging"]
+__all__ = ["JsonFormatter", "level_for", "setup_command_logging", "setup_logging"]
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -44,6 +44,32 @@ def level_for(verbose: int, quiet: int) -> int:
     return {0: logging.INFO, 1: logging.WARNING}.get(quiet, logging.ERROR)
 
 
+class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time of the record."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass
+
+
+_COMMAND_HANDLER: logging.Handler | None = None
+
+
+def setup_command_logging() -> None:
+    """Warnings and errors of the package on stderr for the operator commands
+    (the package itself only has a NullHandler). Idempotent."""
+    global _COMMAND_HANDLER
+    if _COMMAND_HANDLER is None:
+        _COMMAND_HANDLER = _CurrentStderr()
+        _COMMAND_HANDLER.setLevel(logging.WARNING)
+        _COMMAND_HANDLER.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("keyop_messenger").addHandler(_COMMAND_HANDLER)
+
+
 def setup_logging(
     verbose: int = 0, quiet: int = 0, fmt: str = "text", stream: TextIO | None = None
 ) -> logging.Handler:
@@ -58,8 +84,12 @@ def setup_logging(
         formatter.default_time_format = "%Y-%m-%dT%H:%M:%S"
         formatter.default_msec_format = "%s.%03dZ"
         handler.setFormatter(formatter)
+    global _COMMAND_HANDLER
     level = level_for(verbose, quiet)
     package = logging.getLogger("keyop_messenger")
+    if _COMMAND_HANDLER is not None:
+        package.removeHandler(_COMMAND_HANDLER)
+        _COMMAND_HANDLER = None
     package.setLevel(level)
     if verbose >= 2:
         root = logging.getLogger()

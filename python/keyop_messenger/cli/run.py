@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import signal
 import sys
@@ -115,6 +116,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config = _load(args.config)
     except ConfigError as err:
         return _config_problems(args.config, err.problems)
+    log.debug("configuration %s: %s", args.config, json.dumps(config.to_dict()))
     problems = check_environment(config)
     if problems:
         return _config_problems(args.config, problems)

@@ -949,9 +949,13 @@ fn validate_channel(py: Python<'_>, name: &str) -> PyResult<()> {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // The engine's log records go to Python logging (loggers named after the
-    // Rust modules, e.g. "keyop_core.federation.hub").
-    pyo3_log::init();
+    // The engine's log records go to Python logging under the package's
+    // logger: the Rust module keyop_core::federation::hub logs to
+    // "keyop_messenger.keyop_core.federation.hub". If the process already has
+    // a Rust logger installed (another extension), records go there instead.
+    let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?
+        .set_prefix("keyop_messenger")
+        .install();
     m.add_class::<PyEngine>()?;
     m.add_class::<MessengerBase>()?;
     m.add_class::<RecordIter>()?;
