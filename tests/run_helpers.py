@@ -56,7 +56,9 @@ def hub_doc(pki: PKI, data_dir: Path, **extra: Any) -> dict[str, Any]:
 class RunProcess:
     """A ``python -m keyop_messenger run ...`` child; stderr lines are collected."""
 
-    def __init__(self, args: list[str], env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], env: Mapping[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(
@@ -65,6 +67,7 @@ class RunProcess:
             stderr=subprocess.PIPE,
             text=True,
             env=full_env,
+            cwd=cwd,
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -132,8 +135,10 @@ class RunProcess:
 
 
 @contextlib.contextmanager
-def running(args: list[str], env: Mapping[str, str] | None = None) -> Iterator[RunProcess]:
-    proc = RunProcess(args, env)
+def running(
+    args: list[str], env: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[RunProcess]:
+    proc = RunProcess(args, env, cwd)
     try:
         yield proc
     finally:

@@ -207,10 +207,15 @@ def table(rows: Sequence[Sequence[Any]], right: set[int]) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def load(path: str) -> Config:
+def load(path: str, overrides: Sequence[str] = ()) -> Config:
+    """The configuration file ``path`` as every command reads it: relative paths
+    relative to the file's folder, ``KEYOP_<SECTION>__<KEY>`` environment
+    variables and then ``overrides`` (``section.key=value``) over its keys."""
+    import os
+
     from ..config import load_config
 
-    return load_config(path)
+    return load_config(path, resolve_paths=True, environ=os.environ, overrides=overrides)
 
 
 def local_only(config: Config) -> Config:

@@ -22,11 +22,9 @@ import json
 import logging
 import signal
 import sys
-import threading
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from .common import CONFIG_HELP, ops_command
+from .common import CONFIG_HELP, load, ops_command
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -59,6 +57,11 @@ def add_parsers(commands: Any) -> None:
         "listen addresses) and exit without starting",
     )
     run.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one key of the file (repeatable; over KEYOP_<SECTION>__<KEY> "
+        "environment variables, which are over the file)",
+    )  # fmt: skip
+    run.add_argument(
         "-v", "--verbose", action="count", default=0,
         help="log more: -v debug for keyop_messenger, -vv debug for every library",
     )  # fmt: skip
@@ -78,32 +81,11 @@ def _config_problems(path: str, problems: list[str]) -> int:
     return EXIT_CONFIG
 
 
-def _load(path: str) -> Config:
-    from ..config import load_config
-
-    return load_config(path)
 
 
-class _Stop:
-    """Signals turned into an event the main loop waits on."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.signal: int | None = None
-        self.reloads = 0
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGHUP:
-            self.reloads += 1
-            self.event.set()
-            return
-        if self.signal is None:
-            self.signal = signum
-        self.event.set()
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self)
+#: Signals ``run`` takes synchronously (blocked, then fetched with sigtimedwait):
+#: no Python signal handler runs in the middle of a lock-holding call.
+_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -113,7 +95,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     setup_logging(args.verbose, args.quiet, args.log_format)
     try:
-        config = _load(args.config)
+        config = load(args.config, args.set)
     except ConfigError as err:
         return _config_problems(args.config, err.problems)
     log.debug("configuration %s: %s", args.config, json.dumps(config.to_dict()))
@@ -134,8 +116,9 @@ def serve(config: Config) -> int:
     from ..messenger import Messenger
     from ..metrics import MetricsServer
 
-    stop = _Stop()
-    stop.install()
+    # Block the signals before any thread starts (threads inherit the mask),
+    # so they stay pending until _wait fetches them, also during startup.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     notifier = Notifier()
     health = Health()
     server: MetricsServer | None = None
@@ -155,8 +138,8 @@ def serve(config: Config) -> int:
             log.info("client %r dialing %s", config.name, link.addr)
         log.info("%r ready (data_dir %s)", config.name, config.storage.data_dir)
         notifier.notify("READY=1", f"STATUS=serving {config.name}")
-        _wait(stop, notifier, health)
-        log.info("signal %d: stopping", stop.signal or 0)
+        signum = _wait(notifier, health)
+        log.info("%s: stopping", signal.Signals(signum).name)
         return 0
     except (KeyopError, OSError) as err:
         log.error("%s", " ".join(str(err).split()) or type(err).__name__)
@@ -171,24 +154,23 @@ def serve(config: Config) -> int:
         log.info("stopped")
 
 
-def _wait(stop: _Stop, notifier: Any, health: Any) -> None:
-    """Waits for a stop signal, pinging the systemd watchdog while storage answers."""
-    interval = notifier.watchdog_s / 2 if notifier.watchdog_s else None
+def _wait(notifier: Any, health: Any) -> int:
+    """Waits for SIGTERM or SIGINT (returned), pinging the systemd watchdog
+    while storage answers; SIGHUP is logged."""
+    interval = notifier.watchdog_s / 2 if notifier.watchdog_s else 3600.0
     while True:
-        fired = stop.event.wait(interval)
-        if fired:
-            stop.event.clear()
-        if stop.signal is not None:
-            return
-        if fired:
-            if stop.reloads:
-                stop.reloads = 0
-                log.warning(
-                    "SIGHUP: reloading is not supported; restart to apply configuration changes"
-                )
+        info = signal.sigtimedwait(_SIGNALS, interval)
+        if info is None:
+            if notifier.watchdog_s:
+                ready, reason = health.readiness()
+                if ready:
+                    notifier.notify("WATCHDOG=1")
+                else:
+                    log.warning("not ready (%s): watchdog ping withheld", reason)
             continue
-        ready, reason = health.readiness()
-        if ready:
-            notifier.notify("WATCHDOG=1")
-        else:
-            log.warning("not ready (%s): watchdog ping withheld", reason)
+        if info.si_signo == signal.SIGHUP:
+            log.warning(
+                "SIGHUP: reloading is not supported; restart to apply configuration changes"
+            )
+            continue
+        return int(info.si_signo)
