@@ -122,7 +122,7 @@ class Health:
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (see the module docstring)."""
-        from . import __version__
+        from ._core import __version__
 
         ready, reason = self.readiness()
         doc: dict[str, Any] = {
