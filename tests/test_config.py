@@ -793,7 +793,7 @@ def test_round_trip_full_example(tmp_path: Path) -> None:
     d = cfg.to_dict()
     assert d["hub"]["fed_client_offset_ttl"] in ("168h", "168h0m0s")
     assert d["hub"]["allowed_peers"][0] == {
-        "name": "sensor-1", "subscribe": [], "publish": ["temps"]
+        "name": "sensor-1", "subscribe": [], "publish": ["temps"], "max_channels": 1024
     }
     assert d["storage"]["data_dir"] == "/var/lib/keyop/billing"
     assert Config.from_dict(d) == cfg

@@ -173,6 +173,17 @@ def _link_families(out: _Writer, links: list[HubLinkStats]) -> None:
         [((("hub", link.addr),), link.unacked_bytes) for link in links],
     )
     out.family(
+        "keyop_federation_refused_total",
+        "counter",
+        "Messages the hub refused (policy, size, validity, channel limit), per channel;"
+        " they stay in this instance's channel files.",
+        [
+            ((("hub", link.addr), ("channel", channel)), n)
+            for link in links
+            for channel, n in sorted(link.refused.items())
+        ],
+    )
+    out.family(
         "keyop_federation_link_rtt_seconds",
         "gauge",
         "Round trip from sending a batch to the hub to its acknowledgement (quantiles).",

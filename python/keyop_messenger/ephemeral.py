@@ -141,7 +141,13 @@ class EphemeralMessenger(_SyncContext):
         service_name: str | None = None,
         correlation_id: str | None = None,
     ) -> str:
-        """Publishes one message; returns its id once the hub committed it."""
+        """Publishes one message; returns its id once the hub committed it.
+
+        Raises :class:`PolicyError` (naming the channel and the hub) when the
+        hub refuses the message: a channel not in this peer's allowed publish
+        list (known from the hub's handshake, so nothing is sent), or a record
+        the hub's acknowledgement lists as refused (policy, size, validity).
+        A refused message was not stored and no id is returned."""
         return self.publish_batch(
             channel,
             [(payload_type, payload)],
@@ -158,14 +164,18 @@ class EphemeralMessenger(_SyncContext):
         correlation_id: str | None = None,
     ) -> list[str]:
         """Publishes ``(payload_type, payload)`` pairs in one frame; returns
-        their ids once the hub committed and acknowledged the frame."""
+        their ids once the hub committed and acknowledged the frame.
+
+        Raises :class:`PolicyError` when the hub refuses any of them (see
+        :meth:`publish`); the others may have been stored."""
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
         return send_batch(self._client.publish_batch, channel, pairs, service, corr, to_plain)
 
     def status(self) -> dict[str, Any]:
-        """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``."""
+        """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``,
+        and ``refused`` (records the hub refused, per channel)."""
         return self._client.status()
 
     def close(self) -> None:

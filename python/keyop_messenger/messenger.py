@@ -124,7 +124,11 @@ class Messenger(_core.MessengerBase, _SyncContext):
         return stats_from_engine(self._engine.stats())
 
     def federation_status(self) -> dict[str, Any]:
-        """Hub counters and connected peers, and each client link's state."""
+        """Hub counters and connected peers, and each client link's state:
+        ``addr``, ``connected``, ``reconnects``, ``failed_attempts``,
+        ``refused`` (records the hub refused, per channel),
+        ``refused_channels`` (configured publish channels the hub's handshake
+        refuses; not sent, kept here) and ``refused_subscriptions``."""
         return self._engine.federation_status()
 
     def register_payload_type(self, name: str, cls: type) -> None:

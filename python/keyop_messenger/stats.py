@@ -82,6 +82,12 @@ class HubLinkStats:
     rtt_p50_us: float
     """Batch send -> acknowledgement round trip."""
     rtt_p99_us: float
+    refused: dict[str, int] = field(default_factory=dict)
+    """Records the hub refused, per channel, since this messenger started
+    (policy, size or validity). They stay in this instance's channel files."""
+    refused_channels: list[str] = field(default_factory=list)
+    """Configured ``publish`` channels the hub's handshake says it refuses:
+    not sent (their cursor stays, so they go out once the hub allows them)."""
 
 
 @dataclass(frozen=True)
@@ -155,9 +161,16 @@ def stats_from_engine(raw: dict[str, Any]) -> Stats:
     federation = FederationStats(
         links=[
             HubLinkStats(
-                addr=a, connected=c, reconnects=r, unacked_bytes=u, rtt_p50_us=p50, rtt_p99_us=p99
+                addr=a,
+                connected=c,
+                reconnects=r,
+                unacked_bytes=u,
+                rtt_p50_us=p50,
+                rtt_p99_us=p99,
+                refused=dict(refused),
+                refused_channels=list(refused_channels),
             )
-            for a, c, r, u, p50, p99 in raw["links"]
+            for a, c, r, u, p50, p99, refused, refused_channels in raw["links"]
         ],
         listener=None
         if listener is None

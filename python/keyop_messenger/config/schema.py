@@ -75,11 +75,16 @@ class AllowedPeer:
             byte for byte (required, unique within the list).
         subscribe: Channels this peer may receive from the hub; empty = any channel.
         publish: Channels this peer may send to the hub; empty = any channel.
+        max_channels: Most channels this peer's messages may create on the hub
+            (channels that did not exist yet), counted since the hub started;
+            further new channels are refused (reason ``channel_limit``: the
+            publisher hears it). Default 1024; 0 lets the peer create none.
     """
 
     name: str
     subscribe: list[str] = field(default_factory=list)
     publish: list[str] = field(default_factory=list)
+    max_channels: int = 1024
 
 
 @dataclass

@@ -196,6 +196,9 @@ def _check_hub(config: ConfigFields, problems: Problems) -> None:
                 )
             else:
                 first_seen[peer.name] = key
+            limit_key = f"hub.allowed_peers[{index}].max_channels"
+            if problems.usable(limit_key) and peer.max_channels < 0:
+                problems.add(limit_key, f"must be 0 or more, got {peer.max_channels}")
     if problems.usable("hub.fed_client_offset_ttl") and not hub.fed_client_offset_ttl:
         problems.add(
             "hub.fed_client_offset_ttl",

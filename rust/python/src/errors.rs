@@ -4,6 +4,7 @@
 //! classes, so the pure-Python layer raises the same types); they are looked
 //! up once and cached.
 
+use keyop_core::envelope::RecordError;
 use keyop_core::{Error, StorageError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -102,6 +103,9 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let kind = match &e {
         Error::InvalidName(_) => Kind::InvalidName,
         Error::TooLarge { .. } => Kind::MessageTooLarge,
+        Error::InvalidRecord(RecordError::Field { .. }) => Kind::InvalidName,
+        Error::InvalidRecord(RecordError::TooLarge { .. }) => Kind::MessageTooLarge,
+        Error::InvalidRecord(_) => Kind::PayloadType,
         Error::Closed(_) => Kind::Closed,
         Error::Config(_) => Kind::Config,
         Error::Storage(StorageError::Locked(_)) => Kind::DataDirLocked,

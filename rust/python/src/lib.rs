@@ -524,6 +524,8 @@ impl PyEngine {
                         s.unacked_bytes.load(Relaxed),
                         rtt.p50_us,
                         rtt.p99_us,
+                        s.refused(),
+                        s.refused_channels(),
                     )
                 })
                 .collect();
@@ -570,6 +572,7 @@ impl PyEngine {
                         s.connected.load(std::sync::atomic::Ordering::Acquire),
                         s.reconnects.load(Relaxed),
                         s.failed_attempts.load(Relaxed),
+                        (s.refused(), s.refused_channels(), s.refused_subscriptions()),
                     )
                 })
                 .collect();
@@ -584,12 +587,16 @@ impl PyEngine {
                 d.set_item("hub", h)?;
             }
             let list = pyo3::types::PyList::empty(py);
-            for (addr, connected, reconnects, failed) in clients {
+            for (addr, connected, reconnects, failed, refusals) in clients {
+                let (refused, refused_channels, refused_subscriptions) = refusals;
                 let c = PyDict::new(py);
                 c.set_item("addr", addr)?;
                 c.set_item("connected", connected)?;
                 c.set_item("reconnects", reconnects)?;
                 c.set_item("failed_attempts", failed)?;
+                c.set_item("refused", refused)?;
+                c.set_item("refused_channels", refused_channels)?;
+                c.set_item("refused_subscriptions", refused_subscriptions)?;
                 list.append(c)?;
             }
             d.set_item("clients", list)?;
@@ -773,15 +780,19 @@ impl EphemeralClient {
         if ids.is_empty() {
             return Ok(ids);
         }
-        py.detach(|| self.client.send(body)).py_err(py)?;
+        let sent = ids.clone();
+        py.detach(|| self.client.send(channel, sent, body))
+            .py_err(py)?;
         Ok(ids)
     }
 
-    /// `{"connected", "reconnects", "failed_attempts", "unacked_bytes"}`.
+    /// `{"connected", "reconnects", "failed_attempts", "unacked_bytes",
+    /// "refused"}` (`refused`: records the hub refused, per channel).
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use std::sync::atomic::Ordering::Relaxed;
         let s = self.client.status();
         let d = PyDict::new(py);
+        d.set_item("refused", s.refused())?;
         d.set_item("connected", s.connected.load(Relaxed))?;
         d.set_item("reconnects", s.reconnects.load(Relaxed))?;
         d.set_item("failed_attempts", s.failed_attempts.load(Relaxed))?;
