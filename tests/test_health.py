@@ -117,3 +117,38 @@ def test_readyz_is_503_while_starting_and_stopping(tmp_path: Path) -> None:
             assert http_get(base + "/readyz")[0::2] == (503, "stopping\n")
             assert http_json(base + "/status")["state"] == "stopping"
         assert http_get(base + "/nowhere")[0] == 404
+
+
+class _FakeClient:
+    """A client-only messenger's figures: one link whose hub refused records."""
+
+    def stats(self) -> Any:
+        from keyop_messenger.stats import FederationStats, HubLinkStats, Stats, Totals
+
+        link = HubLinkStats(
+            addr="hub:7740", connected=False, reconnects=2, unacked_bytes=10,
+            rtt_p50_us=1.0, rtt_p99_us=2.0, refused={"temps": 3, "alerts": 1},
+            refused_channels=["secret"],
+        )  # fmt: skip
+        return Stats(
+            channels=[], totals=Totals(0, 0, 0, 0, 0), latency={},
+            federation=FederationStats(links=[link]),
+        )  # fmt: skip
+
+    def federation_status(self) -> dict[str, Any]:
+        return {"hub": None, "clients": [{"addr": "hub:7740", "failed_attempts": 4}]}
+
+
+def test_status_counts_refusals_of_client_links() -> None:
+    status = Health(_FakeClient(), ready=True).status()
+    assert status["links"] == [
+        {
+            "addr": "hub:7740", "state": "disconnected", "reconnects": 2,
+            "failed_attempts": 4, "unacked_bytes": 10, "refused": {"temps": 3, "alerts": 1},
+            "refused_channels": ["secret"],
+        }
+    ]  # fmt: skip
+    assert status["refused"] == {
+        "connections_rejected": 0, "client_failed_attempts": 4, "records_refused_by_hubs": 4,
+    }  # fmt: skip
+    assert status["peers"] == [] and "hub" not in status

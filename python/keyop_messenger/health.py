@@ -136,7 +136,11 @@ class Health:
             "channels": [],
             "peers": [],
             "links": [],
-            "refused": {"connections_rejected": 0, "client_failed_attempts": 0},
+            "refused": {
+                "connections_rejected": 0,
+                "client_failed_attempts": 0,
+                "records_refused_by_hubs": 0,
+            },
             "last_error": self._problems.last,
             "warnings_logged": self._problems.count,
         }
@@ -193,7 +197,12 @@ def _fill(doc: dict[str, Any], source: HealthSource) -> None:
             "reconnects": link.reconnects,
             "failed_attempts": failed.get(link.addr, 0),
             "unacked_bytes": link.unacked_bytes,
+            "refused": dict(getattr(link, "refused", {})),
+            "refused_channels": list(getattr(link, "refused_channels", [])),
         }
         for link in stats.federation.links
     ]
     doc["refused"]["client_failed_attempts"] = sum(failed.values())
+    doc["refused"]["records_refused_by_hubs"] = sum(
+        sum(link["refused"].values()) for link in doc["links"]
+    )
