@@ -19,6 +19,7 @@ __all__ = [
     "keygen_ca",
     "keygen_instance",
     "read_channel",
+    "read_stats",
     "validate_channel",
 ]
 
@@ -137,6 +138,7 @@ def validate_channel(name: str) -> None: ...
 def read_channel(
     data_dir: str | PathLike[str], channel: str, start_offset: int = 0
 ) -> RecordIter: ...
+def read_stats(data_dir: str | PathLike[str]) -> dict[str, Any]: ...
 def keygen_ca(
     out_cert: str | PathLike[str] = ...,
     out_key: str | PathLike[str] = ...,

@@ -29,13 +29,13 @@ command line or configuration, 1 for a failure at runtime.
 Keys are ECDSA P-384, written as SEC 1 ``EC PRIVATE KEY`` PEM files of mode
 0600 together with their certificates.
 
-``pub``, ``sub``, ``stats`` and ``dead-letters replay`` open the data directory
-of the configuration with federation and the metrics listener off (a running
-messenger holds the directory: they then fail with a one-line error; ``pub``
-and ``sub`` can go through the configuration's first hub with
-``--ephemeral``). ``tail`` and ``dead-letters list`` only read segment files,
-so they work next to a running messenger and on data directories of
-keyop-messenger 1.4.
+``pub``, ``sub`` and ``dead-letters replay`` open the data directory of the
+configuration with federation and the metrics listener off (a running
+messenger holds the directory: they then fail with a one-line error naming the
+process holding it; ``pub`` and ``sub`` can go through the configuration's
+first hub with ``--ephemeral``). ``stats``, ``tail`` and ``dead-letters list``
+only read the files, so they work next to a running messenger and on data
+directories of keyop-messenger 1.4.
 
 Messages are printed as JSON lines with the keys ``id``, ``ts``, ``channel``,
 ``origin``, ``payload_type``, ``payload``, ``service_name`` and

@@ -484,21 +484,7 @@ impl PyEngine {
         use std::sync::atomic::Ordering::Relaxed;
         let channels = py.detach(|| self.engine.channel_stats()).py_err(py)?;
         let out = PyDict::new(py);
-        let list = pyo3::types::PyList::empty(py);
-        for c in channels {
-            let d = PyDict::new(py);
-            d.set_item("name", c.name)?;
-            d.set_item("messages_published", c.messages_published)?;
-            d.set_item("stream_bytes", c.stream_bytes)?;
-            d.set_item("disk_bytes", c.disk_bytes)?;
-            let subs = pyo3::types::PyList::empty(py);
-            for s in c.subscribers {
-                subs.append((s.id, s.lag_bytes, s.oldest_pending_nanos, s.active))?;
-            }
-            d.set_item("subscribers", subs)?;
-            list.append(d)?;
-        }
-        out.set_item("channels", list)?;
+        out.set_item("channels", channels_to_py(py, channels)?)?;
         let lat = PyDict::new(py);
         let l = self.engine.latency();
         for (stage, w) in [
@@ -949,6 +935,43 @@ fn read_channel(
     })
 }
 
+/// The channel figures as `MessengerBase.stats()` gives them.
+fn channels_to_py(
+    py: Python<'_>,
+    channels: Vec<keyop_core::stats::ChannelSnapshot>,
+) -> PyResult<Bound<'_, pyo3::types::PyList>> {
+    let list = pyo3::types::PyList::empty(py);
+    for c in channels {
+        let d = PyDict::new(py);
+        d.set_item("name", c.name)?;
+        d.set_item("messages_published", c.messages_published)?;
+        d.set_item("stream_bytes", c.stream_bytes)?;
+        d.set_item("disk_bytes", c.disk_bytes)?;
+        let subs = pyo3::types::PyList::empty(py);
+        for s in c.subscribers {
+            subs.append((s.id, s.lag_bytes, s.oldest_pending_nanos, s.active))?;
+        }
+        d.set_item("subscribers", subs)?;
+        list.append(d)?;
+    }
+    Ok(list)
+}
+
+/// `stats()` of any data directory from its files only (no lock: works beside
+/// a running messenger); no latency samples, no federation.
+#[pyfunction]
+fn read_stats(py: Python<'_>, data_dir: PathBuf) -> PyResult<Bound<'_, PyDict>> {
+    let channels = py
+        .detach(|| keyop_core::read_channel_stats(&data_dir))
+        .py_err(py)?;
+    let out = PyDict::new(py);
+    out.set_item("channels", channels_to_py(py, channels)?)?;
+    out.set_item("latency", PyDict::new(py))?;
+    out.set_item("links", pyo3::types::PyList::empty(py))?;
+    out.set_item("listener", py.None())?;
+    Ok(out)
+}
+
 /// Raises InvalidNameError unless `name` is a valid channel name (the
 /// engine's rule; dead-letter channels included).
 #[pyfunction]
@@ -973,6 +996,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Subscription>()?;
     m.add_class::<EphemeralClient>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
+    m.add_function(wrap_pyfunction!(read_stats, m)?)?;
     m.add_function(wrap_pyfunction!(validate_channel, m)?)?;
     keygen::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
