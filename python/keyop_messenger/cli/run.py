@@ -22,12 +22,14 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .common import CONFIG_HELP, load, ops_command
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..messenger import Messenger
 
 log = logging.getLogger("keyop_messenger.service")
 
@@ -105,11 +107,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.check:
         print(f"{args.config}: configuration OK")
         return 0
-    return serve(config)
+    return serve(config, lambda: load(args.config, args.set))
 
 
-def serve(config: Config) -> int:
-    """Runs ``config`` until SIGTERM/SIGINT (main thread only); returns the exit status."""
+def serve(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """Runs ``config`` until SIGTERM/SIGINT (main thread only); returns the exit
+    status. On SIGHUP ``reload()`` gives the configuration again and its
+    ``hub.allowed_peers`` are applied (other changed keys need a restart)."""
     from .._sdnotify import Notifier
     from ..errors import KeyopError
     from ..health import Health
@@ -138,7 +142,15 @@ def serve(config: Config) -> int:
             log.info("client %r dialing %s", config.name, link.addr)
         log.info("%r ready (data_dir %s)", config.name, config.storage.data_dir)
         notifier.notify("READY=1", f"STATUS=serving {config.name}")
-        signum = _wait(notifier, health)
+        current = [config]
+
+        def on_hup() -> None:
+            if reload is None or messenger is None:
+                log.warning("SIGHUP: nothing to reload")
+                return
+            _reload(messenger, current, reload)
+
+        signum = _wait(notifier, health, on_hup)
         log.info("%s: stopping", signal.Signals(signum).name)
         return 0
     except (KeyopError, OSError) as err:
@@ -154,9 +166,9 @@ def serve(config: Config) -> int:
         log.info("stopped")
 
 
-def _wait(notifier: Any, health: Any) -> int:
+def _wait(notifier: Any, health: Any, on_hup: Callable[[], None]) -> int:
     """Waits for SIGTERM or SIGINT (returned), pinging the systemd watchdog
-    while storage answers; SIGHUP is logged."""
+    while storage answers; SIGHUP calls ``on_hup``."""
     interval = notifier.watchdog_s / 2 if notifier.watchdog_s else 3600.0
     while True:
         info = signal.sigtimedwait(_SIGNALS, interval)
@@ -169,8 +181,57 @@ def _wait(notifier: Any, health: Any) -> int:
                     log.warning("not ready (%s): watchdog ping withheld", reason)
             continue
         if info.si_signo == signal.SIGHUP:
-            log.warning(
-                "SIGHUP: reloading is not supported; restart to apply configuration changes"
-            )
+            on_hup()
             continue
         return int(info.si_signo)
+
+
+def _changed_keys(old: Config, new: Config) -> list[str]:
+    """Dotted keys whose values differ between ``old`` and ``new``."""
+    a, b = old.to_dict(), new.to_dict()
+    keys = []
+    for section in b:
+        if isinstance(b[section], dict):
+            keys += [
+                f"{section}.{k}" for k in b[section] if b[section][k] != a[section].get(k)
+            ]
+        elif b[section] != a[section]:
+            keys.append(section)
+    return keys
+
+
+def _reload(messenger: Messenger, current: list[Config], reload: Callable[[], Config]) -> None:
+    """SIGHUP: reads the configuration again and applies ``hub.allowed_peers``;
+    a bad configuration is logged and the running one kept."""
+    from ..errors import ConfigError, KeyopError
+
+    try:
+        new = reload()
+    except ConfigError as err:
+        log.error("SIGHUP: configuration not reloaded: %s", "; ".join(err.problems))
+        return
+    old = current[0]
+    changed = _changed_keys(old, new)
+    applied = False
+    if "hub.allowed_peers" in changed:
+        changed.remove("hub.allowed_peers")
+        if not old.hub.enabled:
+            log.warning("SIGHUP: hub.allowed_peers changed but the hub is not enabled")
+        else:
+            try:
+                dropped = messenger.set_allowed_peers(new.hub.allowed_peers)
+            except KeyopError as err:
+                log.error("SIGHUP: hub.allowed_peers not applied: %s", err)
+                return
+            current[0] = dataclasses.replace(
+                old, hub=dataclasses.replace(old.hub, allowed_peers=new.hub.allowed_peers)
+            )
+            applied = True
+            log.info(
+                "SIGHUP: hub.allowed_peers reloaded (%d peers); disconnected: %s",
+                len(new.hub.allowed_peers), ", ".join(dropped) or "none",
+            )  # fmt: skip
+    if changed:
+        log.warning("SIGHUP: %s changed: restart to apply", ", ".join(changed))
+    elif not applied:
+        log.info("SIGHUP: configuration unchanged")

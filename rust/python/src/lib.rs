@@ -469,6 +469,21 @@ impl PyEngine {
         py.detach(|| self.engine.start_federation(cfg)).py_err(py)
     }
 
+    /// Replaces the hub's `allowed_peers` (JSON list of entries); returns the
+    /// connected peers disconnected because their entry went or changed.
+    /// Raises FederationError when no hub is running.
+    fn set_allowed_peers(&self, py: Python<'_>, peers_json: &str) -> PyResult<Vec<String>> {
+        let peers: Vec<keyop_core::federation::AllowedPeer> = serde_json::from_str(peers_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("hub.allowed_peers: {e}")))?;
+        py.detach(|| {
+            self.engine
+                .with_federation(|f| f.hub().map(|h| h.set_allowed_peers(peers)))
+                .flatten()
+                .ok_or_else(|| keyop_core::Error::Federation("no hub is running".into()))
+        })
+        .py_err(py)
+    }
+
     /// `(host, port)` the hub listens on, or None.
     #[getter]
     fn hub_address(&self) -> Option<(String, u16)> {
