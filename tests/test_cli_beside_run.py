@@ -63,3 +63,30 @@ def test_operator_commands_beside_a_running_instance(
 def test_read_stats_of_a_missing_data_dir(tmp_path: Path) -> None:
     with pytest.raises(DataDirNotFoundError):
         _core.read_stats(str(tmp_path / "nope"))
+
+
+def test_sub_from_reads_the_files_beside_a_running_instance(
+    tmp_path: Path, pki: PKI, start: Starter
+) -> None:
+    hub_dir = tmp_path / "hub"
+    cfg = str(write_config(tmp_path / "hub.yaml", hub_doc(pki, hub_dir)))
+    with running(["--config", cfg]) as hub:
+        hub.wait_ready()
+        node = start(client_config(pki, tmp_path / "node1", "node1", hub.hub_port(),
+                                   publish=["temps"]))  # fmt: skip
+        ids = [node.publish("temps", "reading", {"n": i}) for i in range(3)]
+        poll(lambda: stored_ids(hub_dir, "temps") == ids, "the readings on the hub")
+        everything = cli("sub", "--config", cfg, "temps", "--from", "0", "--count", "3")
+        assert everything.returncode == 0, everything.stderr
+        docs = [json.loads(x) for x in everything.stdout.splitlines()]
+        assert [d["id"] for d in docs] == ids and docs[0]["offset"] == 0
+        rest = cli("sub", "--config", cfg, "temps", "--from", str(docs[1]["offset"]),
+                   "--count", "5", "--timeout", "0.5")  # fmt: skip
+        assert rest.returncode == 1 and "received 2 of 5 messages" in rest.stderr
+        assert [json.loads(x)["id"] for x in rest.stdout.splitlines()] == ids[1:]
+        # Nothing was acknowledged or created: no subscriber offset files.
+        assert not (hub_dir / "subscribers" / "temps").exists() or not [
+            p for p in (hub_dir / "subscribers" / "temps").iterdir()
+            if not p.name.startswith("fed-")
+        ]  # fmt: skip
+        assert hub.stop() == 0

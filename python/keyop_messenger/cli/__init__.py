@@ -15,7 +15,8 @@ Commands (``shared/spec/cli.md`` for ``version`` and ``keygen``)::
     keyop-messenger keygen inspect   FILE
 
     keyop-messenger pub   --config F [--ephemeral] CHANNEL PAYLOAD_TYPE [JSON]
-    keyop-messenger sub   --config F CHANNEL [--id ID | --ephemeral] [--count N] [--timeout S]
+    keyop-messenger sub   --config F CHANNEL [--id ID | --ephemeral | --from OFFSET]
+                          [--count N] [--timeout S]
     keyop-messenger tail  --data-dir D CHANNEL [-n N] [-f]
     keyop-messenger stats --config F [--json]
     keyop-messenger dead-letters [list] --data-dir D CHANNEL [--json]
@@ -33,8 +34,8 @@ Keys are ECDSA P-384, written as SEC 1 ``EC PRIVATE KEY`` PEM files of mode
 configuration with federation and the metrics listener off (a running
 messenger holds the directory: they then fail with a one-line error naming the
 process holding it; ``pub`` and ``sub`` can go through the configuration's
-first hub with ``--ephemeral``). ``stats``, ``tail`` and ``dead-letters list``
-only read the files, so they work next to a running messenger and on data
+first hub with ``--ephemeral``). ``stats``, ``tail``, ``sub --from`` and
+``dead-letters list`` only read the files, so they work next to a running messenger and on data
 directories of keyop-messenger 1.4.
 
 Messages are printed as JSON lines with the keys ``id``, ``ts``, ``channel``,
