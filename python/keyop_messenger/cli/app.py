@@ -16,7 +16,7 @@ from .logsetup import setup_command_logging
 def _build_parser() -> Parser:
     parser = Parser(
         prog="keyop-messenger",
-        description="keyop-messenger: certificates and operator commands.",
+        description="keyop-messenger: run an instance, certificates and operator commands.",
     )
     parser.set_defaults(print_help=parser.print_help, kind=None, func=None)
     from .. import __version__
