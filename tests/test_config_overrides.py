@@ -118,3 +118,15 @@ def test_run_uses_file_folder_environment_and_flags(tmp_path: Path) -> None:
         found = solo.wait_line(r"ready \(data_dir (.*)\)")
         assert found.group(1) == str(tmp_path / "flag-data")
         assert solo.stop() == 0
+
+
+def test_log_level_key(tmp_path: Path) -> None:
+    path = _file(tmp_path, "name: a\nstorage:\n  data_dir: /d\nlog:\n  level: warning\n")
+    assert load_config(path).log.level == "warning"
+    assert load_config(path, environ={"KEYOP_LOG__LEVEL": "debug"}).log.level == "debug"
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides=["log.level=loud"])
+    assert info.value.problems == [
+        'log.level: must be "debug", "info", "warning" or "error", got \'loud\' '
+        "(set by --set log.level)"
+    ]

@@ -5,6 +5,7 @@ changes are logged as needing a restart; a bad file keeps the running one."""
 from __future__ import annotations
 
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 import fed_helpers
 from fed_helpers import PKI, Starter, client_config, peer, stored_ids
 from keyop_messenger import Config, FederationError, Messenger
-from run_helpers import hub_doc, poll, running, write_config
+from run_helpers import WAIT_S, hub_doc, poll, running, write_config
 
 pki = fed_helpers.pki
 start = fed_helpers.start
@@ -55,3 +56,28 @@ def test_set_allowed_peers_needs_a_hub(tmp_path: Path) -> None:
     with Messenger(Config.from_dict({"storage": {"data_dir": str(tmp_path / "d")}})) as m:
         with pytest.raises(FederationError, match="no hub"):
             m.set_allowed_peers([])
+
+
+
+def test_sighup_reloads_the_log_level(tmp_path: Path, pki: PKI) -> None:
+    port = fed_helpers.free_port()
+    doc = hub_doc(pki, tmp_path / "hub", log={"level": "warning"})
+    doc["hub"]["listen_addr"] = f"127.0.0.1:{port}"
+    cfg = write_config(tmp_path / "hub.yaml", doc)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(tmp_path / "n.sock"))
+        notify.settimeout(WAIT_S)
+        env = {"NOTIFY_SOCKET": str(tmp_path / "n.sock")}
+        with running(["--config", str(cfg)], env=env) as hub:
+            while b"READY=1" not in notify.recv(4096).split(b"\n"):
+                pass
+            doc["log"] = {"level": "info"}
+            write_config(cfg, doc)
+            hub.proc.send_signal(signal.SIGHUP)
+            hub.wait_line(r"SIGHUP: log level now info")
+            # An engine record at INFO now passes (pyo3-log's level cache was reset).
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            hub.wait_line(r"INFO keyop_messenger\.keyop_core\.federation\.hub: .*connection from")
+            assert hub.stop() == 0
+    before = hub.lines[: next(i for i, x in enumerate(hub.lines) if "log level now" in x)]
+    assert not any(" INFO " in line for line in before), before

@@ -20,6 +20,7 @@ __all__ = [
     "keygen_instance",
     "read_channel",
     "read_stats",
+    "reset_log_cache",
     "validate_channel",
 ]
 
@@ -140,6 +141,7 @@ def read_channel(
     data_dir: str | PathLike[str], channel: str, start_offset: int = 0
 ) -> RecordIter: ...
 def read_stats(data_dir: str | PathLike[str]) -> dict[str, Any]: ...
+def reset_log_cache() -> None: ...
 def keygen_ca(
     out_cert: str | PathLike[str] = ...,
     out_key: str | PathLike[str] = ...,

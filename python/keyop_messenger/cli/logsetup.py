@@ -14,7 +14,13 @@ import sys
 import time
 from typing import TextIO
 
-__all__ = ["JsonFormatter", "level_for", "setup_command_logging", "setup_logging"]
+__all__ = [
+    "JsonFormatter",
+    "level_for",
+    "set_package_level",
+    "setup_command_logging",
+    "setup_logging",
+]
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -36,12 +42,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, ensure_ascii=False)
 
 
-def level_for(verbose: int, quiet: int) -> int:
-    """INFO by default; ``-v`` DEBUG, ``-vv`` DEBUG for every logger (not only
-    keyop_messenger); ``-q`` WARNING, ``-qq`` ERROR."""
+def level_for(verbose: int, quiet: int, configured: str = "") -> int:
+    """``-v`` DEBUG (``-vv`` DEBUG for every logger, not only keyop_messenger);
+    ``-q`` WARNING, ``-qq`` ERROR; without them ``configured`` (``log.level``),
+    INFO if empty."""
     if verbose:
         return logging.DEBUG
-    return {0: logging.INFO, 1: logging.WARNING}.get(quiet, logging.ERROR)
+    if quiet:
+        return logging.WARNING if quiet == 1 else logging.ERROR
+    return logging.getLevelName(configured.upper()) if configured else logging.INFO
+
+
+def set_package_level(level: int) -> None:
+    """Sets the level of the ``keyop_messenger`` loggers, the engine's included
+    (pyo3-log caches levels: the cache is reset)."""
+    from .. import _core
+
+    logging.getLogger("keyop_messenger").setLevel(level)
+    _core.reset_log_cache()
 
 
 class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
@@ -71,7 +89,11 @@ def setup_command_logging() -> None:
 
 
 def setup_logging(
-    verbose: int = 0, quiet: int = 0, fmt: str = "text", stream: TextIO | None = None
+    verbose: int = 0,
+    quiet: int = 0,
+    fmt: str = "text",
+    stream: TextIO | None = None,
+    configured: str = "",
 ) -> logging.Handler:
     """Sends ``keyop_messenger.*`` records (every logger's with ``-vv``) to
     ``stream`` (stderr) in ``fmt`` (``text`` or ``json``); returns the handler."""
@@ -85,7 +107,7 @@ def setup_logging(
         formatter.default_msec_format = "%s.%03dZ"
         handler.setFormatter(formatter)
     global _COMMAND_HANDLER
-    level = level_for(verbose, quiet)
+    level = level_for(verbose, quiet, configured)
     package = logging.getLogger("keyop_messenger")
     if _COMMAND_HANDLER is not None:
         package.removeHandler(_COMMAND_HANDLER)

@@ -93,13 +93,16 @@ _SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 def _cmd_run(args: argparse.Namespace) -> int:
     from ..config.checks import check_environment
     from ..errors import ConfigError
-    from .logsetup import setup_logging
+    from .logsetup import level_for, set_package_level, setup_logging
 
     setup_logging(args.verbose, args.quiet, args.log_format)
     try:
         config = load(args.config, args.set)
     except ConfigError as err:
         return _config_problems(args.config, err.problems)
+    flags_set_level = bool(args.verbose or args.quiet)
+    if not flags_set_level and config.log.level:
+        set_package_level(level_for(0, 0, config.log.level))
     log.debug("configuration %s: %s", args.config, json.dumps(config.to_dict()))
     problems = check_environment(config)
     if problems:
@@ -107,13 +110,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.check:
         print(f"{args.config}: configuration OK")
         return 0
-    return serve(config, lambda: load(args.config, args.set))
+    return serve(
+        config,
+        lambda: load(args.config, args.set),
+        None if flags_set_level else lambda name: set_package_level(level_for(0, 0, name)),
+    )
 
 
-def serve(config: Config, reload: Callable[[], Config] | None = None) -> int:
+def serve(
+    config: Config,
+    reload: Callable[[], Config] | None = None,
+    set_level: Callable[[str], None] | None = None,
+) -> int:
     """Runs ``config`` until SIGTERM/SIGINT (main thread only); returns the exit
-    status. On SIGHUP ``reload()`` gives the configuration again and its
-    ``hub.allowed_peers`` are applied (other changed keys need a restart)."""
+    status. On SIGHUP ``reload()`` gives the configuration again; its
+    ``hub.allowed_peers`` are applied, and its ``log.level`` through
+    ``set_level`` (None: ``-v``/``-q`` fixed the level); other changed keys
+    need a restart."""
     from .._sdnotify import Notifier
     from ..errors import KeyopError
     from ..health import Health
@@ -148,7 +161,7 @@ def serve(config: Config, reload: Callable[[], Config] | None = None) -> int:
             if reload is None or messenger is None:
                 log.warning("SIGHUP: nothing to reload")
                 return
-            _reload(messenger, current, reload)
+            _reload(messenger, current, reload, set_level)
 
         signum = _wait(notifier, health, on_hup)
         log.info("%s: stopping", signal.Signals(signum).name)
@@ -200,9 +213,14 @@ def _changed_keys(old: Config, new: Config) -> list[str]:
     return keys
 
 
-def _reload(messenger: Messenger, current: list[Config], reload: Callable[[], Config]) -> None:
-    """SIGHUP: reads the configuration again and applies ``hub.allowed_peers``;
-    a bad configuration is logged and the running one kept."""
+def _reload(
+    messenger: Messenger,
+    current: list[Config],
+    reload: Callable[[], Config],
+    set_level: Callable[[str], None] | None,
+) -> None:
+    """SIGHUP: reads the configuration again and applies ``hub.allowed_peers``
+    and ``log.level``; a bad configuration is logged and the running one kept."""
     from ..errors import ConfigError, KeyopError
 
     try:
@@ -213,6 +231,15 @@ def _reload(messenger: Messenger, current: list[Config], reload: Callable[[], Co
     old = current[0]
     changed = _changed_keys(old, new)
     applied = False
+    if "log.level" in changed:
+        changed.remove("log.level")
+        if set_level is None:
+            log.info("SIGHUP: log.level changed; -v/-q on the command line keep the level")
+        else:
+            set_level(new.log.level)
+            log.info("SIGHUP: log level now %s", new.log.level or "info")
+        old = current[0] = dataclasses.replace(old, log=new.log)
+        applied = True
     if "hub.allowed_peers" in changed:
         changed.remove("hub.allowed_peers")
         if not old.hub.enabled:

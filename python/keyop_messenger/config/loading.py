@@ -45,6 +45,7 @@ class Config(ConfigFields):
         dedup: The ``dedup`` section.
         audit: The ``audit`` section.
         metrics: The ``metrics`` section.
+        log: The ``log`` section.
     """
 
     @classmethod

@@ -987,6 +987,18 @@ fn read_stats(py: Python<'_>, data_dir: PathBuf) -> PyResult<Bound<'_, PyDict>> 
     Ok(out)
 }
 
+/// pyo3-log's cache of Python loggers and their levels.
+static LOG_CACHE: std::sync::OnceLock<pyo3_log::ResetHandle> = std::sync::OnceLock::new();
+
+/// Forgets the cached Python logger levels, so that a level changed in Python
+/// applies to the engine's log records from now on.
+#[pyfunction]
+fn reset_log_cache() {
+    if let Some(handle) = LOG_CACHE.get() {
+        handle.reset();
+    }
+}
+
 /// Raises InvalidNameError unless `name` is a valid channel name (the
 /// engine's rule; dead-letter channels included).
 #[pyfunction]
@@ -1002,9 +1014,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // logger: the Rust module keyop_core::federation::hub logs to
     // "keyop_messenger.keyop_core.federation.hub". If the process already has
     // a Rust logger installed (another extension), records go there instead.
-    let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?
+    if let Ok(handle) = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?
         .set_prefix("keyop_messenger")
-        .install();
+        .install()
+    {
+        let _ = LOG_CACHE.set(handle);
+    }
     m.add_class::<PyEngine>()?;
     m.add_class::<MessengerBase>()?;
     m.add_class::<RecordIter>()?;
@@ -1012,6 +1027,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<EphemeralClient>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
     m.add_function(wrap_pyfunction!(read_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(validate_channel, m)?)?;
     keygen::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
