@@ -468,7 +468,12 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         return self._require().config
 
     async def subscribe(
-        self, channel: str, subscriber_id: str, handler: AsyncHandler
+        self,
+        channel: str,
+        subscriber_id: str,
+        handler: AsyncHandler,
+        *,
+        on_gap: Callable[[str, str, int, int], Any] | None = None,
     ) -> AsyncSubscription:
         """Delivers ``channel`` to the ``async def`` ``handler`` as subscriber
         ``subscriber_id``, on the running event loop.
@@ -477,10 +482,12 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         current end, a known id resumes from its offset file; returning
         acknowledges, raising retries with backoff and eventually
         dead-letters. One message at a time per subscription, in order.
+        ``on_gap`` (a plain function, called on an engine thread) is told of
+        data gone before it was read, as with :meth:`Messenger.subscribe`.
         """
         sync = self._require()
         bridge = self._bridge(handler, f"{channel}/{subscriber_id}")
-        core = await self._run(sync.subscribe, channel, subscriber_id, bridge)
+        core = await self._run(sync.subscribe, channel, subscriber_id, bridge, on_gap=on_gap)
         sub = AsyncSubscription(self, core, bridge, channel)
         bridge.subscription = sub
         return sub

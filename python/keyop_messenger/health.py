@@ -28,7 +28,9 @@ STARTING, READY, STOPPING = "starting", "ready", "stopping"
 class HealthSource(Protocol):
     """What :class:`Health` reads: a :class:`~keyop_messenger.Messenger` fits."""
 
-    def stats(self) -> Any: ...
+    def stats(self) -> Any:
+        """A :class:`~keyop_messenger.stats.Stats` snapshot."""
+        ...
 
 
 def _iso(value: datetime.datetime | None) -> str | None:

@@ -45,6 +45,8 @@ class Deliverer:
         self.stopped = True
 
     def __call__(self, rows: list[tuple[Any, ...]]) -> tuple[int, _Failure]:
+        """Hands ``rows`` to the handler in order; returns how many were handled and why the next
+        failed."""
         # The delivery hot path: one tuple unpack, one Message and one handler
         # call per row; payloads are decoded only for registered types.
         handler, entries, decode = self._handler, self._registry.entries, self._registry.decode

@@ -30,6 +30,7 @@ class JsonFormatter(logging.Formatter):
     ``message`` (and ``exc`` with the traceback when there is one)."""
 
     def format(self, record: logging.LogRecord) -> str:
+        """``record`` as one line of JSON."""
         ts = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
         doc = {
             "ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),

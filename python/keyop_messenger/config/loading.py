@@ -46,6 +46,7 @@ class Config(ConfigFields):
         audit: The ``audit`` section.
         metrics: The ``metrics`` section.
         log: The ``log`` section.
+        retention: The ``retention`` section.
     """
 
     @classmethod
@@ -104,6 +105,7 @@ def load_config(
     ``keyop-messenger`` command passes the options (``docs/service.md``):
 
     Args:
+        path: the YAML file.
         resolve_paths: relative paths in the file (``storage.data_dir``,
             ``tls.cert``, ``tls.key``, ``tls.ca``) are relative to the file's
             folder instead of the current directory.
@@ -173,7 +175,7 @@ def _with_source(problem: str, sources: Mapping[str, str]) -> str:
 
 _UNKNOWN_KEY_HINTS: dict[str, str] = {
     "storage.max_segment_bytes": (
-        "the segment size is set by storage.compaction_threshold_mb, in MiB"
+        "the segment size is set by storage.segment_size_mb, in MiB"
     ),
 }
 
