@@ -3,6 +3,8 @@ exit statuses 0 / 1 / 2, and ``--check``."""
 
 from __future__ import annotations
 
+import datetime
+import os
 import re
 import signal
 import socket
@@ -10,7 +12,6 @@ from pathlib import Path
 
 import fed_helpers
 from fed_helpers import PKI, Inbox, Starter, client_config, stored_ids
-from keyop_messenger import _pki
 from run_helpers import hub_doc, poll, run_once, running, write_config
 
 pki = fed_helpers.pki
@@ -88,13 +89,51 @@ def test_check_validates_without_starting(tmp_path: Path, pki: PKI) -> None:
     assert not data_dir.exists()
 
 
+def _expired_certificate(pki: PKI, out: Path) -> tuple[Path, Path, tuple[str, str]]:
+    """A certificate for ``hub1`` signed by the test CA that expired yesterday
+    (keygen refuses to make one)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_cert = x509.load_pem_x509_certificate(pki.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP384R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hub1")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=10))
+        .not_valid_after(now - datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("hub1")]), False)
+        .sign(ca_key, hashes.SHA384())
+    )
+    cert_path, key_path = out / "old.crt", out / "old.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    os.chmod(key_path, 0o600)
+    dates = tuple(
+        t.strftime("%Y-%m-%dT%H:%M:%SZ")
+        for t in (cert.not_valid_before_utc, cert.not_valid_after_utc)
+    )
+    return cert_path, key_path, (dates[0], dates[1])
+
+
 def test_check_refuses_an_expired_certificate_naming_its_dates(
     tmp_path: Path, pki: PKI
 ) -> None:
-    cert, key = tmp_path / "old.crt", tmp_path / "old.key"
-    _pki.write_instance(
-        str(pki.ca), str(pki.ca_key), "hub1", out_cert=str(cert), out_key=str(key), days=-1
-    )
+    cert, key, dates = _expired_certificate(pki, tmp_path)
     doc = hub_doc(pki, tmp_path / "data")
     doc["tls"] = {"cert": str(cert), "key": str(key), "ca": str(pki.ca)}
     cfg = write_config(tmp_path / "hub.yaml", doc)
@@ -107,6 +146,7 @@ def test_check_refuses_an_expired_certificate_naming_its_dates(
     )
     assert found, result.stderr
     assert found.group(1) == found.group(3)
+    assert (found.group(2), found.group(3)) == dates
     # Without --check the same configuration does not start either.
     assert run_once(["--config", str(cfg)]).returncode == 2
     assert not (tmp_path / "data").exists()

@@ -24,7 +24,7 @@ from .config import (
     TLSConfig,
     load_config,
 )
-from .context import context
+from .context import context, current_context
 from .ephemeral import EphemeralMessenger
 from .errors import (
     BufferFullError,
@@ -42,6 +42,7 @@ from .errors import (
     KeyopError,
     KeyopTimeoutError,
     MessageTooLargeError,
+    MetricsError,
     PayloadTypeError,
     PolicyError,
     StorageError,
@@ -49,6 +50,7 @@ from .errors import (
 )
 from .message import LogEntry, Message
 from .messenger import Messenger, read_channel
+from .payloads import PayloadRegistry
 from .stats import (
     ChannelStats,
     FederationStats,
@@ -59,7 +61,7 @@ from .stats import (
     SubscriberStats,
     Totals,
 )
-from .subscription import Subscription
+from .subscription import Handler, Subscription
 
 _logging.getLogger("keyop_messenger").addHandler(_logging.NullHandler())
 
@@ -84,6 +86,7 @@ __all__ = [
     "FederationError",
     "FederationStats",
     "ForkedProcessError",
+    "Handler",
     "HubConfig",
     "HubEndpoint",
     "HubLinkStats",
@@ -97,6 +100,8 @@ __all__ = [
     "MessageTooLargeError",
     "Messenger",
     "MetricsConfig",
+    "MetricsError",
+    "PayloadRegistry",
     "PayloadTypeError",
     "PolicyError",
     "Stats",
@@ -110,6 +115,7 @@ __all__ = [
     "Totals",
     "__version__",
     "context",
+    "current_context",
     "load_config",
     "read_channel",
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "read_stats",
     "reset_log_cache",
     "validate_channel",
+    "validate_payload_type",
 ]
 
 __version__: str
@@ -177,6 +178,7 @@ class EphemeralClient:
     def close(self) -> None: ...
 
 def validate_channel(name: str) -> None: ...
+def validate_payload_type(name: str) -> None: ...
 def read_channel(
     data_dir: str | PathLike[str], channel: str, start_offset: int = 0, *, skip_gaps: bool = False
 ) -> RecordIter: ...

@@ -60,7 +60,7 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -98,7 +98,7 @@ _LOOP_CHECK_S = 0.25
 AsyncHandler = Callable[[Message], Awaitable[Any]]
 """An ``async def handler(msg)``: returning acknowledges, raising means retry."""
 
-ConfigLike = Config | str | os.PathLike[str]
+ConfigLike = Config | Mapping[str, Any] | str | os.PathLike[str]
 
 # Set inside handler coroutines, so close() called from a handler does not wait
 # for that very handler (which would never finish).

@@ -9,11 +9,11 @@ import json
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from . import _core
-from ._closing import _SyncContext
+from ._closing import _SyncContext, refuse_when_closed
 from .config import AllowedPeer, Config, load_config
 from .context import _CONTEXT, resolve
 from .errors import send_batch, unicode_error
@@ -45,6 +45,7 @@ def _close_all() -> None:
         m.close()
 
 
+@refuse_when_closed(lambda m: m._closed, lambda m: f"messenger {m.name!r}")
 class Messenger(_core.MessengerBase, _SyncContext):
     """A messenger instance owning one data directory.
 
@@ -54,11 +55,17 @@ class Messenger(_core.MessengerBase, _SyncContext):
     publishers share one fsync), or written to the file with
     ``sync_interval_ms > 0`` (a timer fsyncs). It is the hot path, so it is
     implemented in the extension (see ``MessengerBase.publish``).
-    Use it as a context manager, or call :meth:`close`.
+    Use it as a context manager, or call :meth:`close`. After ``close()``
+    every method but ``close()`` raises :class:`ClosedError`.
+
+    ``config`` is a :class:`Config`, a mapping in the YAML shape (built with
+    :meth:`Config.from_dict`) or the path of a YAML file.
     """
 
-    def __init__(self, config: Config | str | os.PathLike[str]) -> None:
-        if not isinstance(config, Config):
+    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> None:
+        if isinstance(config, Mapping):
+            config = Config.from_dict(config)
+        elif not isinstance(config, Config):
             config = load_config(config)
         config.validate()
         self._config = config

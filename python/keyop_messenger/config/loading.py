@@ -71,6 +71,17 @@ class Config(ConfigFields):
             raise ConfigError(problems.messages)
         return config
 
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Config:
+        """Read a YAML configuration file and validate it: :func:`load_config`.
+
+        Raises:
+            ConfigError: as :func:`load_config`.
+        """
+        config = load_config(path)
+        assert isinstance(config, cls)
+        return config
+
     def to_dict(self) -> dict[str, Any]:
         """Return the configuration in the YAML shape (durations as Go duration strings).
 

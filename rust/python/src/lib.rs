@@ -1198,6 +1198,15 @@ fn validate_channel(py: Python<'_>, name: &str) -> PyResult<()> {
         .py_err(py)
 }
 
+/// Raises InvalidNameError unless `name` is a valid payload type: the
+/// engine's rule for the envelope's `payload_type` field.
+#[pyfunction]
+fn validate_payload_type(py: Python<'_>, name: &str) -> PyResult<()> {
+    keyop_core::envelope::validate_field("payload_type", name)
+        .map_err(keyop_core::Error::InvalidRecord)
+        .py_err(py)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The engine's log records go to Python logging under the package's
@@ -1220,6 +1229,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(validate_channel, m)?)?;
     m.add_function(wrap_pyfunction!(loss_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_payload_type, m)?)?;
     keygen::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_RECORD_BYTES", keyop_core::envelope::MAX_RECORD_BYTES)?;
