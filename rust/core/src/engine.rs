@@ -182,7 +182,7 @@ impl Engine {
         } else {
             None
         };
-        Ok((LogReader::new(dir, from), writer))
+        Ok((self.store.reader(dir, from), writer))
     }
 
     fn subs(&self) -> std::sync::MutexGuard<'_, HashMap<SubscriberKey, Arc<Subscriber>>> {

@@ -366,8 +366,9 @@ impl PyEngine {
 
     /// Test hook: fail the next `count` I/O steps of `kind` ("write",
     /// "sync" or "roll") on `channel`; a failing write first writes
-    /// `partial` bytes.
-    #[pyo3(signature = (channel, kind, count = 1, partial = 0))]
+    /// `partial` bytes. `errno` (write and sync) picks the OS error instead
+    /// of ENOSPC (write) or EIO (sync).
+    #[pyo3(signature = (channel, kind, count = 1, partial = 0, errno = 0))]
     fn _inject_fault(
         &self,
         py: Python<'_>,
@@ -375,8 +376,11 @@ impl PyEngine {
         kind: &str,
         count: u32,
         partial: usize,
+        errno: i32,
     ) -> PyResult<()> {
         let point = match kind {
+            "write" if errno != 0 => FaultPoint::WriteErrno { partial, errno },
+            "sync" if errno != 0 => FaultPoint::SyncErrno { errno },
             "write" => FaultPoint::Write { partial },
             "sync" => FaultPoint::Sync,
             "roll" => FaultPoint::Roll,
