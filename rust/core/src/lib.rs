@@ -15,7 +15,7 @@ pub mod stats;
 pub mod storage;
 pub mod subscribe;
 
-pub use engine::{read_channel, Engine, Outgoing, Published};
+pub use engine::{read_channel, read_channel_stats, Engine, Outgoing, Published};
 pub use envelope::{Envelope, NameError, NameKind};
 pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};
 pub use storage::{StorageError, StoreConfig};

@@ -45,11 +45,14 @@ pub struct Hub {
     counters: Arc<HubCounters>,
     peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
     ephemeral: Arc<Mutex<HashMap<String, usize>>>,
+    allowed: Arc<Mutex<Arc<Vec<AllowedPeer>>>>,
 }
 
 struct HubState {
     shared: Arc<Shared>,
     cfg: HubSettings,
+    /// `hub.allowed_peers`, replaceable while running ([`Hub::set_allowed_peers`]).
+    allowed: Arc<Mutex<Arc<Vec<AllowedPeer>>>>,
     acceptor: TlsAcceptor,
     counters: Arc<HubCounters>,
     /// Connected durable peers: name -> (connection number, its cancel token).
@@ -85,9 +88,11 @@ impl Hub {
         let counters = Arc::new(HubCounters::default());
         let peers = Arc::new(Mutex::new(HashMap::new()));
         let ephemeral = Arc::new(Mutex::new(HashMap::new()));
+        let allowed = Arc::new(Mutex::new(Arc::new(cfg.allowed_peers.clone())));
         let state = Arc::new(HubState {
             shared: shared.clone(),
             cfg,
+            allowed: allowed.clone(),
             acceptor: TlsAcceptor::from(tls),
             counters: counters.clone(),
             peers: peers.clone(),
@@ -109,6 +114,7 @@ impl Hub {
                 counters,
                 peers,
                 ephemeral,
+                allowed,
             },
             tasks,
         ))
@@ -122,6 +128,40 @@ impl Hub {
     /// Accepted and rejected connection counts.
     pub fn counters(&self) -> &HubCounters {
         &self.counters
+    }
+
+    /// Replaces `hub.allowed_peers` (a configuration reload). New connections
+    /// are checked against `peers`; a connected durable peer that is no longer
+    /// listed, or whose entry changed, is disconnected so that it reconnects
+    /// under the new entry. Returns the names disconnected. Connected
+    /// ephemeral peers keep their connection until it ends.
+    pub fn set_allowed_peers(&self, peers: Vec<AllowedPeer>) -> Vec<String> {
+        let new: HashMap<&str, &AllowedPeer> = peers.iter().map(|p| (p.name.as_str(), p)).collect();
+        let old = {
+            let mut slot = self.allowed.lock().unwrap_or_else(|e| e.into_inner());
+            std::mem::replace(&mut *slot, Arc::new(peers.clone()))
+        };
+        let changed = |name: &str| match (old.iter().find(|p| p.name == name), new.get(name)) {
+            (Some(a), Some(b)) => {
+                a.subscribe != b.subscribe
+                    || a.publish != b.publish
+                    || a.max_channels != b.max_channels
+            }
+            _ => true,
+        };
+        let mut dropped: Vec<String> = Vec::new();
+        for (name, (_, cancel)) in self.peers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            if changed(name) {
+                cancel.cancel();
+                dropped.push(name.clone());
+            }
+        }
+        dropped.sort();
+        log::info!(
+            "hub: allowed_peers reloaded ({} peers); disconnected {dropped:?}",
+            new.len()
+        );
+        dropped
     }
 
     /// Names of the peers connected now.
@@ -295,12 +335,12 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
             return;
         }
     };
-    let entry = state
-        .cfg
-        .allowed_peers
-        .iter()
-        .find(|p| p.name == peer)
-        .cloned();
+    let allowed = state
+        .allowed
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let entry = allowed.iter().find(|p| p.name == peer).cloned();
     let Some(entry) = entry.filter(|_| validate_name(NameKind::PeerName, &peer).is_ok()) else {
         state.counters.rejected.fetch_add(1, Ordering::Relaxed);
         log::warn!("hub: rejected peer {peer:?} from {remote}: not in allowed_peers");
