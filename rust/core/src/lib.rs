@@ -10,6 +10,7 @@ pub mod envelope;
 pub mod federation;
 pub mod keygen;
 pub mod lograte;
+pub mod memtrim;
 pub mod stats;
 pub mod storage;
 pub mod subscribe;
