@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import _core
-from ._closing import _SyncContext
+from ._closing import CLOSE_TIMEOUT_S, _SyncContext
 from .config import Config, load_config
 from .context import _CONTEXT, resolve
 from .errors import send_batch, unicode_error
@@ -29,7 +29,9 @@ _MIB = 1024 * 1024
 RETENTION_INTERVAL_S = 30.0
 
 # Messengers still open at interpreter exit are closed first, so engine
-# threads never call into a finalising interpreter.
+# threads never call into a finalising interpreter. Each close waits at most
+# CLOSE_TIMEOUT_S for handlers still running, so exit never hangs on them;
+# in a forked child it releases nothing (the parent's messengers).
 _OPEN: weakref.WeakSet[Messenger] = weakref.WeakSet()
 
 
@@ -59,6 +61,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
         self._registry = PayloadRegistry()
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
         self._metrics: MetricsServer | None = None
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
         storage = config.storage
@@ -195,13 +198,14 @@ class Messenger(_core.MessengerBase, _SyncContext):
 
     def read_channel(self, channel: str, *, start_offset: int = 0) -> Iterator[LogEntry]:
         """Iterates the committed messages of ``channel`` from ``start_offset``
-        (a global byte offset), decoding payloads with the registered types."""
+        (a global byte offset), decoding payloads with the registered types.
+        Raises :class:`ChannelNotFoundError` (at the call, not at the first
+        ``next()``) if the channel does not exist; nothing is created."""
         try:
             rows = self._engine.read(channel, start_offset)
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel) from None
-        for row in rows:
-            yield entry_from_row(row, self._registry)
+        return (entry_from_row(row, self._registry) for row in rows)
 
     def stream_end(self, channel: str) -> int:
         """The committed end of ``channel``: the offset the next record gets."""
@@ -215,19 +219,34 @@ class Messenger(_core.MessengerBase, _SyncContext):
         """Whether :meth:`close` was called."""
         return self._closed
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops every subscription (each persists its offset), then flushes
-        and closes every channel. Idempotent; safe to call from a handler."""
+        and closes every channel. Idempotent; safe to call from a handler.
+
+        Waits at most ``timeout`` seconds (default 10) for handlers still
+        running. A handler that has not returned by then is left running: a
+        WARNING names its subscriber and channel, and its message stays
+        unacknowledged (the offset does not move past it), so it is
+        delivered again next time; the channels are still flushed and
+        closed, and the data directory is released. Ctrl-C stops the waiting
+        (the close still finishes) and raises :class:`KeyboardInterrupt`.
+
+        In a process forked after this messenger was opened, ``close()``
+        releases nothing and touches no file (they are the parent's); every
+        other call there raises :class:`ForkedProcessError`.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         _OPEN.discard(self)
-        if self._metrics is not None:
-            self._metrics.close()
+        if os.getpid() != self._pid:
+            return
         for subscription in list(self._subscriptions):
             subscription._deliverer.stop()
-        self._engine.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        self._engine.close(timeout)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -271,10 +290,14 @@ def read_channel(
 ) -> Iterator[LogEntry]:
     """Iterates the messages of ``channel`` in any data directory, also one
     written by keyop-messenger 1.4 or in use by another process. Only whole
-    records are returned; unreadable lines are skipped with a warning."""
+    records are returned; unreadable lines are skipped with a warning.
+
+    Raises (at the call, not at the first ``next()``)
+    :class:`DataDirNotFoundError` if ``data_dir`` does not exist and
+    :class:`ChannelNotFoundError` if the channel does not; it never creates
+    anything."""
     try:
         rows = _core.read_channel(os.fspath(data_dir), channel, start_offset)
     except UnicodeEncodeError as exc:
         raise unicode_error(exc, channel=channel) from None
-    for row in rows:
-        yield entry_from_row(row, registry)
+    return (entry_from_row(row, registry) for row in rows)
