@@ -287,3 +287,16 @@ def test_subprocess(tmp_path: Path) -> None:
     again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and again.stdout == ""
     assert again.stderr == 'Error: file "ca.crt" already exists; use --force to overwrite\n'
+
+
+def test_python_dash_m_package(tmp_path: Path) -> None:
+    """``python -m keyop_messenger`` runs the same command as ``keyop-messenger``."""
+    cmd = [sys.executable, "-m", "keyop_messenger", "keygen", "ca"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert SUMMARY.match(done.stdout) and done.stderr == ""
+    version = subprocess.run(
+        [sys.executable, "-m", "keyop_messenger", "version"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert (version.returncode, version.stdout) == (0, f"version: {__version__}\n")

@@ -1,3 +1,5 @@
+# why this file is long: 63 tests, one or more per config key and problem message, sharing the
+# FULL_EXAMPLE document and its helpers.
 """Tests of keyop_messenger.config: defaults, loading, durations and validation."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# why this file is long: 24 end-to-end tests of EphemeralMessenger sharing one hub fixture and
+# its certificates.
 """EphemeralMessenger: a storage-less hub client (issue 5 part 1).
 
 Spec: shared/spec/semantics.md §7 and federation.md §10, with the deliberate

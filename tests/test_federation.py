@@ -1,3 +1,5 @@
+# why this file is long: 24 end-to-end federation tests (hubs, clients, a hand-written wire
+# peer) sharing their setup helpers.
 """Federation end to end: hubs and clients as real ``Messenger`` instances on
 127.0.0.1 with mutual TLS, plus wire-level checks with a hand-written peer.
 

@@ -1,3 +1,5 @@
+# why this file is long: 20 hostile-peer cases against one hub fixture, sharing a raw
+# TLS/WebSocket peer.
 """Hostile peers and bad input against a hub (issue 7, part 5).
 
 Every case states its expected outcome (federation.md §3, §4, §6, §7, §12

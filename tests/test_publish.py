@@ -1,3 +1,5 @@
+# why this file is long: 39 tests of Messenger.publish / publish_batch (one file per public
+# operation), sharing helpers.
 """Tests of Messenger publishing: ids, envelopes, payload types, context, batches,
 group commit, name checks, size limits, I/O failures, durability modes,
 closing and segment rolls."""

@@ -1,3 +1,5 @@
+# why this file is long: 15 end-to-end tests sharing one session-scoped SparkSession and hub
+# process, slow to start.
 """The PySpark integration (keyop_messenger.spark), end to end.
 
 A session-scoped ``local[2]`` SparkSession and a real hub running in another

@@ -1,3 +1,5 @@
+# why this file is long: 35 tests of subscriptions (one file per public operation), sharing
+# helpers.
 """Tests of Messenger subscriptions: delivered fields, start and resume positions,
 offset files, crash resume, retries and backoff, dead letters, payload decoding,
 independence of subscribers, closing, names, compaction and offset TTL.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .metrics import CONTENT_TYPE, StatsSource, log, render
+from ._prometheus import CONTENT_TYPE, StatsSource, log, render
 
 __all__ = ["Handler", "Server", "Server6"]
 

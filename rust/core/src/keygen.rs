@@ -1,3 +1,6 @@
+// why this file is long: one concern (the certificates keygen writes and inspects, as 1.4 does)
+// with its inline DER reader (mod der, ~210 lines) and unit tests (~110); mod der is the next
+// split.
 //! CA and instance certificates for federation, as `keyop-messenger keygen`
 //! of 1.4 makes them (`shared/spec/cli.md` §2-§4).
 //!

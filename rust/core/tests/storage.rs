@@ -1,3 +1,5 @@
+// why this file is long: the integration tests of the on-disk contract (disk-format.md 1-5)
+// share their helpers; one test file per engine area.
 //! Integration tests of keyop-core storage against the on-disk contract of
 //! keyop-messenger 1.4 (`shared/spec/disk-format.md` sections 1-5) and the
 //! publish guarantees of `shared/spec/semantics.md` section 2.

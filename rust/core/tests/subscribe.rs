@@ -1,3 +1,5 @@
+// why this file is long: the integration tests of local subscribers (semantics.md 3) share
+// their helpers; one test file per engine area.
 //! Integration tests of local subscribers (`shared/spec/semantics.md` section 3,
 //! `disk-format.md` sections 6-8), with this implementation's deliberate
 //! differences: offsets move past a failed record only once its dead letter is

@@ -1,0 +1,278 @@
+"""What every command of the ``keyop-messenger`` CLI shares: errors, parsers,
+output, opening a messenger from a configuration file, and SIGTERM handling."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..config import Config
+    from ..message import Message
+    from ..messenger import Messenger
+
+#: Seconds between progress updates on a terminal.
+PROGRESS_INTERVAL_S = 0.25
+
+log = logging.getLogger("keyop_messenger")
+
+
+class UsageError(Exception):
+    """A command-line error: printed as ``Error: <message>``, exit status 1."""
+
+
+class OpsUsageError(UsageError):
+    """A usage error of an operator command: exit status 2, as argparse's."""
+
+
+class CommandError(Exception):
+    """A failure of an operator command: ``Error: <message>``, exit status 1."""
+
+
+class PipeClosed(Exception):
+    """stdout was closed by the reader (``| head``)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser that reports errors the way the 1.4 command does
+    (exit status 1); operator commands set ``ops`` for argparse's status 2."""
+
+    ops = False
+
+    def error(self, message: str) -> NoReturn:
+        if self.ops:
+            raise OpsUsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise UsageError(message)
+
+
+class OpsParser(Parser):
+    """Parser of the operator commands: usage errors exit with status 2."""
+
+    ops = True
+
+
+def ops_command(
+    commands: Any, name: str, func: Callable[[argparse.Namespace], int], **kw: Any
+) -> Parser:
+    """Adds operator command ``name`` (usage errors exit with status 2) running ``func``."""
+    sub: Parser = commands.add_parser(name, **kw)
+    sub.ops = True
+    sub.set_defaults(func=func)
+    return sub
+
+
+#: Help text of every ``--config`` option.
+CONFIG_HELP = "configuration file (YAML) of the messenger"
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+non_negative_int.__name__ = "non-negative integer"
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+positive_float.__name__ = "positive number"
+
+
+# ---------------------------------------------------------------------------
+# Output helpers
+# ---------------------------------------------------------------------------
+
+
+class Out:
+    """Thread-safe line output to stdout, flushed per line."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream or sys.stdout
+        self._lock = threading.Lock()
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            try:
+                self._stream.write(text + "\n")
+                self._stream.flush()
+            except BrokenPipeError:
+                raise PipeClosed() from None
+
+    def json(self, doc: Any) -> None:
+        self.line(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
+
+
+class Progress:
+    """``label: N`` on stderr, rewritten in place at most 4 times a second, only
+    when stderr is a terminal; :meth:`done` prints the final summary line."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._tty = sys.stderr.isatty()
+        self._last = 0.0
+        self.count = 0
+
+    def add(self, n: int = 1) -> None:
+        self.count += n
+        now = time.monotonic()
+        if self._tty and now - self._last >= PROGRESS_INTERVAL_S:
+            self._last = now
+            sys.stderr.write(f"\r{self._label}: {self.count}")
+            sys.stderr.flush()
+
+    def clear(self) -> None:
+        """Erases the progress line (before a summary or an error)."""
+        if self._tty and self._last:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self._last = 0.0
+
+    def done(self, summary: str) -> None:
+        self.clear()
+        sys.stderr.write(summary + "\n")
+        sys.stderr.flush()
+
+
+def rfc3339_nanos(ns: int) -> str:
+    """RFC 3339 UTC with the fraction's trailing zeros trimmed (the envelope format)."""
+    secs, frac = divmod(ns, 1_000_000_000)
+    epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+    text = (epoch + datetime.timedelta(seconds=secs)).strftime("%Y-%m-%dT%H:%M:%S")
+    if frac:
+        text += "." + f"{frac:09d}".rstrip("0")
+    return text + "Z"
+
+
+def rfc3339(dt: datetime.datetime) -> str:
+    dt = dt.astimezone(datetime.timezone.utc)
+    text = dt.strftime("%Y-%m-%dT%H:%M:%S")
+    if dt.microsecond:
+        text += "." + f"{dt.microsecond:06d}".rstrip("0")
+    return text + "Z"
+
+
+def message_doc(msg: Message, offset: int | None = None) -> dict[str, Any]:
+    """The JSON object printed for one message."""
+    raw_ts = getattr(msg, "_ts", None)  # nanoseconds, until first converted
+    ts = rfc3339_nanos(raw_ts) if isinstance(raw_ts, int) else rfc3339(msg.timestamp)
+    doc: dict[str, Any] = {} if offset is None else {"offset": offset}
+    doc.update(
+        id=msg.id,
+        ts=ts,
+        channel=msg.channel,
+        origin=msg.origin,
+        payload_type=msg.payload_type,
+        payload=msg.payload,
+        service_name=msg.service_name,
+        correlation_id=msg.correlation_id,
+    )
+    return doc
+
+
+def table(rows: Sequence[Sequence[Any]], right: set[int]) -> list[str]:
+    """Rows as aligned text columns (``right``: indexes aligned to the right)."""
+    texts = [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in texts) for i in range(len(texts[0]))]
+    lines = []
+    for r in texts:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# Opening messengers
+# ---------------------------------------------------------------------------
+
+
+def load(path: str) -> Config:
+    from ..config import load_config
+
+    return load_config(path)
+
+
+def local_only(config: Config) -> Config:
+    """``config`` with federation and the metrics listener off: a command
+    works on the data directory only (anything to forward is read from the
+    files by the application's own messenger later)."""
+    changes: dict[str, Any] = {
+        "hub": dataclasses.replace(config.hub, enabled=False),
+        "client": dataclasses.replace(config.client, enabled=False),
+    }
+    metrics: Any = getattr(config, "metrics", None)  # the metrics section, if known
+    if metrics is not None:
+        changes["metrics"] = dataclasses.replace(metrics, listen_addr="")
+    return dataclasses.replace(config, **changes)
+
+
+def open_local(config_path: str, hint: str = "") -> Messenger:
+    """A messenger on the configuration's data directory (federation off);
+    a held data directory becomes one clear error line."""
+    from ..errors import DataDirLockedError
+    from ..messenger import Messenger
+
+    config = local_only(load(config_path))
+    try:
+        return Messenger(config)
+    except DataDirLockedError as err:
+        if hint:
+            raise CommandError(f"{err} ({hint})") from err
+        raise
+
+
+def ephemeral_config(config: Config, subscribe: list[str] | None = None) -> Config:
+    from ..errors import ConfigError
+
+    if not config.client.hubs:
+        raise ConfigError(["client.hubs: --ephemeral needs a hub in client.hubs"])
+    if subscribe is None:
+        return config
+    first = dataclasses.replace(config.client.hubs[0], subscribe=subscribe)
+    client = dataclasses.replace(config.client, hubs=[first, *config.client.hubs[1:]])
+    return dataclasses.replace(config, client=client)
+
+
+def check_data_dir(data_dir: Path) -> None:
+    if not (data_dir / "channels").is_dir():
+        raise CommandError(f"{data_dir}: not a keyop data directory (no channels/ folder)")
+
+
+# ---------------------------------------------------------------------------
+# Signals
+# ---------------------------------------------------------------------------
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated()
+
+
+def handle_sigterm() -> None:
+    """SIGTERM interrupts the main thread like Ctrl-C (clean shutdown)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)

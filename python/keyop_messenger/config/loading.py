@@ -1,0 +1,251 @@
+"""Loading: a YAML file or a mapping becomes a :class:`Config`, and back to a mapping.
+
+:class:`Config` is the root dataclass (its fields are in :class:`.schema.ConfigFields`)
+with the methods that build it from a mapping, export it and validate it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import MISSING, fields, is_dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import yaml
+
+from ..errors import ConfigError
+from .durations import format_duration, parse_duration
+from .problems import Problems, describe, join_key
+from .schema import ITEM_LISTS, SECTIONS, ConfigFields, TLSConfig
+from .validation import check_config
+
+
+class Config(ConfigFields):
+    """The whole configuration of one messenger instance (the YAML document).
+
+    The fields and their defaults are declared in :class:`.schema.ConfigFields`.
+    Build it with :meth:`from_dict` / :func:`load_config` (which validate), or in
+    code followed by :meth:`validate`. ``Messenger`` calls :meth:`validate` on the
+    configuration it receives as well.
+
+    Attributes:
+        name: Instance name: ``origin`` of locally published envelopes,
+            ``instance_name`` in the federation handshake, used in logs. Defaults to
+            the OS host name; must be non-empty and should equal the CN of
+            ``tls.cert``.
+        storage: The ``storage`` section.
+        subscribers: The ``subscribers`` section.
+        hub: The ``hub`` section.
+        client: The ``client`` section.
+        tls: The ``tls`` section.
+        federation: The ``federation`` section.
+        dedup: The ``dedup`` section.
+        audit: The ``audit`` section.
+        metrics: The ``metrics`` section.
+    """
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Config:
+        """Build a configuration from a parsed YAML document (nested mappings) and validate it.
+
+        Absent keys and YAML ``null`` values take their defaults. A duration may be
+        a Go duration string, the integer 0 or a ``datetime.timedelta``.
+
+        Raises:
+            ConfigError: listing every problem found (unknown keys, wrong types,
+                invalid values).
+        """
+        problems = Problems()
+        if not isinstance(d, Mapping):
+            raise ConfigError(
+                [f"the configuration must be a mapping of keys to values, got {describe(d)}"]
+            )
+        config = _build(cls, d, "", problems)
+        check_config(config, problems)
+        if problems.messages:
+            raise ConfigError(problems.messages)
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the configuration in the YAML shape (durations as Go duration strings).
+
+        ``Config.from_dict(config.to_dict()) == config`` for a valid configuration.
+        """
+        result = _to_plain(self)
+        assert isinstance(result, dict)
+        return result
+
+    def validate(self) -> None:
+        """Check the configuration; raise :class:`ConfigError` listing every problem.
+
+        Useful for a configuration built in code; :meth:`from_dict` and
+        :func:`load_config` already call it, and so does ``Messenger``.
+        """
+        problems = Problems()
+        check_config(self, problems)
+        if problems.messages:
+            raise ConfigError(problems.messages)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read a YAML configuration file and return the validated :class:`Config`.
+
+    Raises:
+        ConfigError: the file cannot be read, is empty, is not valid YAML, its top
+            level is not a mapping, or the configuration is invalid (every problem
+            is listed).
+    """
+    name = os.fspath(path)
+    try:
+        with open(name, encoding="utf-8") as stream:
+            text = stream.read()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError([f"{name}: cannot read configuration file: {reason}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{name}: configuration file is not UTF-8 text: {exc}"]) from exc
+    import yaml  # only configuration files need it; importing it costs ~2 MB of RSS
+
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{name}: malformed YAML: {_describe_yaml_error(exc)}"]) from exc
+    if document is None:
+        raise ConfigError([f"{name}: configuration file is empty"])
+    if not isinstance(document, Mapping):
+        kind = describe(document)
+        raise ConfigError(
+            [f"{name}: the top level must be a mapping of keys to values, got {kind}"]
+        )
+    return Config.from_dict(document)
+
+
+# ---------------------------------------------------------------------------
+# Implementation: building from a mapping
+# ---------------------------------------------------------------------------
+
+_UNKNOWN_KEY_HINTS: dict[str, str] = {
+    "storage.max_segment_bytes": (
+        "the segment size is set by storage.compaction_threshold_mb, in MiB"
+    ),
+}
+
+
+def _describe_yaml_error(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is not None and problem:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
+
+
+def _build(cls: type, raw: Mapping[Any, Any], path: str, problems: Problems) -> Any:
+    """Instantiate dataclass ``cls`` from mapping ``raw``; structural problems go to ``problems``.
+
+    Scalars are passed through unchanged (type checks happen in ``_check_config``);
+    sections and list items are built recursively, durations parsed, and unknown keys
+    reported.
+    """
+    known = {f.name: f for f in fields(cls)}
+    for key in raw:
+        if key not in known:
+            _report_unknown_key(path, key, list(known), problems)
+    kwargs: dict[str, Any] = {}
+    for name, spec in known.items():
+        key = join_key(path, name)
+        if name not in raw or raw[name] is None:
+            if spec.default is MISSING and spec.default_factory is MISSING:
+                kwargs[name] = ""  # required field of a list item; reported as missing
+            continue
+        value = raw[name]
+        kind = spec.type
+        if kind in SECTIONS:
+            if isinstance(value, Mapping):
+                kwargs[name] = _build(SECTIONS[kind], value, key, problems)
+            else:
+                problems.add(key, f"must be a mapping, got {describe(value)}", bad=True)
+        elif kind in ITEM_LISTS:
+            kwargs[name] = _build_items(ITEM_LISTS[kind], value, key, problems)
+        elif kind == "datetime.timedelta":
+            ttl = _to_duration(value, key, problems)
+            if ttl is not None:
+                kwargs[name] = ttl if ttl else spec.default  # zero means default
+        elif kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+            kwargs[name] = float(value)
+        elif kind == "list[str]" and isinstance(value, (list, tuple)):
+            kwargs[name] = list(value)
+        elif cls is TLSConfig and name == "min_version" and isinstance(value, float) \
+                and value in (1.2, 1.3):
+            kwargs[name] = str(value)  # unquoted YAML number 1.2 / 1.3
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _report_unknown_key(path: str, key: object, known: list[str], problems: Problems) -> None:
+    dotted = join_key(path, str(key))
+    hint = _UNKNOWN_KEY_HINTS.get(dotted)
+    if hint is None and isinstance(key, str):
+        close = difflib.get_close_matches(key, known, n=1)
+        if close:
+            hint = f"did you mean {join_key(path, close[0])}?"
+    problems.add(dotted, f"unknown key ({hint})" if hint else "unknown key")
+
+
+def _build_items(cls: type, value: Any, key: str, problems: Problems) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        problems.add(key, f"must be a list of mappings, got {describe(value)}", bad=True)
+        return []
+    items: list[Any] = []
+    for index, entry in enumerate(value):
+        item_key = f"{key}[{index}]"
+        if isinstance(entry, cls):
+            items.append(entry)
+        elif isinstance(entry, Mapping):
+            items.append(_build(cls, entry, item_key, problems))
+        else:
+            problems.add(item_key, f"must be a mapping, got {describe(entry)}", bad=True)
+            items.append(_build(cls, {}, item_key, problems))  # placeholder keeps indices
+    return items
+
+
+def _to_duration(value: Any, key: str, problems: Problems) -> datetime.timedelta | None:
+    """Convert a YAML value to a duration, or report it and return None."""
+    if isinstance(value, datetime.timedelta):
+        return value
+    if isinstance(value, bool):
+        problems.add(key, f"must be a duration such as \"168h\", got {describe(value)}",
+                     bad=True)
+        return None
+    if isinstance(value, (int, float)):
+        if value == 0:
+            return datetime.timedelta(0)
+        problems.add(
+            key,
+            f"a bare number is not a duration, add a unit (for example \"{value}s\"), "
+            f"got {describe(value)}",
+            bad=True,
+        )
+        return None
+    if isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            problems.add(key, str(exc), bad=True)
+            return None
+    problems.add(key, f"must be a duration such as \"168h\", got {describe(value)}", bad=True)
+    return None
+
+
+def _to_plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(item) for item in value]
+    if isinstance(value, datetime.timedelta):
+        return format_duration(value)
+    return value
+

@@ -1,0 +1,310 @@
+"""Reading channels: segment files, the committed stream end, planning input
+partitions, and the batch reader (the streaming reader builds on it)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import (
+    DataSourceReader,
+    InputPartition,
+)
+from pyspark.sql.types import (
+    StringType,
+    StructType,
+)
+
+from .mapping import json_to_spark
+from .options import ENVELOPE_COLUMNS, Options, check_channel, check_subscriber_id
+
+if TYPE_CHECKING:
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+
+
+_ARROW_BATCH_ROWS = 8192
+_SEGMENT_RE = re.compile(r"^(\d+)\.jsonl$")
+
+
+def _channel_dir(data_dir: str, channel: str) -> Path:
+    return Path(data_dir) / "channels" / channel
+
+
+def list_segments(data_dir: str, channel: str) -> list[int]:
+    """Start offsets of the segment files of ``channel``, ascending (empty if
+    the channel does not exist)."""
+    try:
+        names = os.listdir(_channel_dir(data_dir, channel))
+    except FileNotFoundError:
+        return []
+    starts = []
+    for name in names:
+        m = _SEGMENT_RE.match(name)
+        if m:
+            starts.append(int(m.group(1)))
+    return sorted(starts)
+
+
+def _segment_path(data_dir: str, channel: str, start: int) -> Path:
+    return _channel_dir(data_dir, channel) / f"{start:020d}.jsonl"
+
+
+def _whole_lines_size(path: Path) -> int:
+    """Bytes of ``path`` up to and including its last line feed."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            pos = end
+            while pos > 0:
+                step = min(65536, pos)
+                pos -= step
+                f.seek(pos)
+                chunk = f.read(step)
+                i = chunk.rfind(b"\n")
+                if i >= 0:
+                    return pos + i + 1
+            return 0
+    except FileNotFoundError:
+        return 0
+
+
+def stream_end(data_dir: str, channel: str) -> int:
+    """The committed end of ``channel`` in ``data_dir`` (whole records only),
+    read without a lock: the offset the next record gets (0 if there is no
+    channel)."""
+    segments = list_segments(data_dir, channel)
+    if not segments:
+        return 0
+    last = segments[-1]
+    return last + _whole_lines_size(_segment_path(data_dir, channel, last))
+
+
+def _next_boundary(data_dir: str, channel: str, segment: int, offset: int, limit: int) -> int:
+    """The first record boundary at or after ``offset`` in ``segment`` (capped
+    at ``limit``): ``offset`` itself if the previous byte is a line feed."""
+    if offset <= segment:
+        return segment
+    path = _segment_path(data_dir, channel, segment)
+    try:
+        with open(path, "rb") as f:
+            pos = offset - segment - 1
+            f.seek(pos)
+            while segment + pos < limit:
+                chunk = f.read(65536)
+                if not chunk:
+                    return limit
+                i = chunk.find(b"\n")
+                if i >= 0:
+                    return min(segment + pos + i + 1, limit)
+                pos += len(chunk)
+    except FileNotFoundError:
+        pass
+    return limit
+
+
+class KeyopPartition(InputPartition):
+    """Records of one segment file with ``start <= offset < end``."""
+
+    def __init__(self, index: int, segment: int, start: int, end: int) -> None:
+        super().__init__(index)
+        self.index = index
+        self.segment = segment
+        self.start = start
+        self.end = end
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyopPartition(index={self.index}, segment={self.segment}, "
+            f"start={self.start}, end={self.end})"
+        )
+
+
+def plan_partitions(
+    data_dir: str, channel: str, start: int, end: int, max_partition_bytes: int = 0
+) -> list[KeyopPartition]:
+    """Input partitions covering ``[start, end)``: one per segment file range,
+    each split at record boundaries into pieces of about
+    ``max_partition_bytes`` when that is > 0."""
+    if end <= start:
+        return []
+    segments = list_segments(data_dir, channel)
+    parts: list[KeyopPartition] = []
+    for i, seg in enumerate(segments):
+        seg_end = segments[i + 1] if i + 1 < len(segments) else end
+        lo, hi = max(start, seg), min(end, seg_end)
+        if lo >= hi:
+            continue
+        if max_partition_bytes > 0:
+            cut = lo
+            while hi - cut > max_partition_bytes:
+                nxt = _next_boundary(data_dir, channel, seg, cut + max_partition_bytes, hi)
+                if nxt >= hi:
+                    break
+                parts.append(KeyopPartition(len(parts), seg, cut, nxt))
+                cut = nxt
+            lo = cut
+        parts.append(KeyopPartition(len(parts), seg, lo, hi))
+    return parts
+
+
+def _arrow_schema(schema: StructType) -> pa.Schema:
+    """The Arrow schema Spark expects for batches of ``schema``."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    try:
+        return to_arrow_schema(schema, timezone="UTC")
+    except TypeError:  # pragma: no cover - older signature
+        return to_arrow_schema(schema)
+
+
+def align_offset(data_dir: str, channel: str, offset: int) -> int:
+    """The first record boundary at or after ``offset`` (the stream end at
+    most): a start offset in the middle of a record skips that record."""
+    end = stream_end(data_dir, channel)
+    if offset >= end:
+        return end
+    segments = [s for s in list_segments(data_dir, channel) if s <= offset]
+    if not segments:
+        return offset  # before the first segment: the reader starts there
+    return _next_boundary(data_dir, channel, segments[-1], offset, end)
+
+
+def _check_read_schema(schema: StructType) -> None:
+    """A schema given with ``.schema(...)`` must be the envelope's, with the
+    payload as a string or a struct."""
+    names = [f.name for f in schema.fields]
+    if names != list(ENVELOPE_COLUMNS) or not isinstance(
+        schema["payload"].dataType, (StringType, StructType)
+    ):
+        raise ValueError(
+            "keyop data source: the schema must be the envelope's columns "
+            f"{list(ENVELOPE_COLUMNS)} with payload a STRING or a STRUCT; give the "
+            f"payload's fields with the option 'payload_schema' (got {schema.simpleString()})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSpec:
+    data_dir: str
+    channel: str
+    start_offset: str
+    max_partition_bytes: int
+    schema: StructType
+    retain_as: str | None = None
+
+    @classmethod
+    def from_options(cls, options: Any, schema: StructType) -> ReadSpec:
+        o = Options(options)
+        # Absolute, resolved on the driver: executors may run in another directory.
+        data_dir = os.path.abspath(o.required("data_dir", "the data directory to read"))
+        channel = o.required("channel", "the channel to read")
+        start = (o.get("start_offset") or "earliest").strip().lower()
+        if start not in ("earliest", "latest"):
+            try:
+                if int(start) < 0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    "keyop data source: option 'start_offset' must be 'earliest', 'latest' "
+                    f"or a byte offset >= 0, got {start!r}"
+                ) from None
+        check_channel(channel, publish=False)
+        _check_read_schema(schema)
+        retain_as = o.get("retain_as") or None
+        if retain_as is not None:
+            check_subscriber_id(retain_as)
+        return cls(
+            data_dir,
+            channel,
+            start,
+            o.integer("max_partition_bytes", 0),
+            schema,
+            retain_as,
+        )
+
+    def start(self) -> int:
+        if self.start_offset == "earliest":
+            return 0
+        if self.start_offset == "latest":
+            return stream_end(self.data_dir, self.channel)
+        return align_offset(self.data_dir, self.channel, int(self.start_offset))
+
+    def partitions(self, start: int, end: int) -> list[KeyopPartition]:
+        return plan_partitions(self.data_dir, self.channel, start, end, self.max_partition_bytes)
+
+    def read(self, partition: KeyopPartition) -> Iterator[pa.RecordBatch]:
+        return _read_partition(self.data_dir, self.channel, partition, self.schema)
+
+
+def _read_partition(
+    data_dir: str, channel: str, partition: KeyopPartition, schema: StructType
+) -> Iterator[pa.RecordBatch]:
+    """Yields the records of ``partition`` as Arrow batches of ``schema``."""
+    import pyarrow as pa
+
+    from .. import _core
+
+    arrow_schema = _arrow_schema(schema)
+    payload_field = schema["payload"]
+    parse = (
+        None
+        if isinstance(payload_field.dataType, StringType)
+        else json_to_spark(payload_field.dataType)
+    )
+    convert = (
+        json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=True).encode
+        if parse is None
+        else parse
+    )
+    types = [arrow_schema.field(i).type for i in range(len(arrow_schema))]
+    records: Iterator[Any] = _core.read_channel(data_dir, channel, partition.start)
+    while True:
+        chunk = list(itertools.islice(records, _ARROW_BATCH_ROWS))
+        if chunk and chunk[-1][0] >= partition.end:
+            chunk = chunk[: bisect.bisect_left([r[0] for r in chunk], partition.end)]
+            records = iter(())
+        if not chunk:
+            return
+        # Rows are (offset, segment, id, ts_nanos, channel, origin, payload_type,
+        # service_name, correlation_id, payload); columns follow ENVELOPE_COLUMNS.
+        offs, segs, ids, ts, chans, origins, ptypes, services, corrs, payloads = zip(
+            *chunk, strict=True
+        )
+        arrays = [
+            pa.array(ids, types[0]),
+            pa.array([n // 1000 for n in ts], pa.int64()).cast(types[1]),
+            pa.array(chans, types[2]),
+            pa.array(origins, types[3]),
+            pa.array(ptypes, types[4]),
+            pa.array(services, types[5]),
+            pa.array(corrs, types[6]),
+            pa.array(list(map(convert, payloads)), types[7]),
+            pa.array(segs, types[8]),
+            pa.array(offs, types[9]),
+        ]
+        yield pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
+
+
+class BatchReader(DataSourceReader):
+    def __init__(self, spec: ReadSpec) -> None:
+        self.spec = spec
+        self.end = stream_end(spec.data_dir, spec.channel)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        parts = self.spec.partitions(self.spec.start(), self.end)
+        # Spark needs at least one partition; an empty range reads nothing.
+        return parts or [KeyopPartition(0, 0, 0, 0)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, KeyopPartition)
+        if partition.end <= partition.start:
+            return iter(())
+        return self.spec.read(partition)

@@ -1,0 +1,68 @@
+"""The ``keyop`` data source (what ``spark.read.format("keyop")`` finds) and
+:func:`register`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+)
+from pyspark.sql.types import (
+    StructType,
+)
+
+from .options import ENVELOPE_DDL, SOURCE_NAME, Options, nullable_ddl
+from .reader import BatchReader, ReadSpec
+from .streaming import StreamReader, stream_writer
+from .writer import BatchWriter, WriteSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+
+def register(spark: SparkSession) -> None:
+    """Registers the ``keyop`` data source in ``spark`` (idempotent)."""
+    spark.dataSource.register(KeyopDataSource)
+
+
+class KeyopDataSource(DataSource):
+    """The ``keyop`` data source: read, write and stream keyop-messenger channels.
+
+    See the module documentation for the options."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SOURCE_NAME
+
+    def schema(self) -> str:
+        payload_schema = Options(self.options).get("payload_schema")
+        if payload_schema and payload_schema.strip():
+            return ENVELOPE_DDL.format(payload=f"STRUCT<{nullable_ddl(payload_schema)}>")
+        return ENVELOPE_DDL.format(payload="STRING")
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        spec = ReadSpec.from_options(self.options, schema)
+        if spec.retain_as is not None:
+            raise ValueError("keyop data source: option 'retain_as' applies to streaming reads")
+        return BatchReader(spec)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return StreamReader(ReadSpec.from_options(self.options, schema))
+
+    def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:
+        if overwrite:
+            raise ValueError("keyop data source: channels are append-only; use mode('append')")
+        return BatchWriter(WriteSpec.from_options(self.options, schema, streaming=False))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        if overwrite:
+            raise ValueError(
+                "keyop data source: channels are append-only; use outputMode('append')"
+            )
+        spec = WriteSpec.from_options(self.options, schema, streaming=True)
+        return stream_writer(spec)

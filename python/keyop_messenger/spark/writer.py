@@ -1,0 +1,492 @@
+"""Writing: options of a write, where a task publishes (hub or data directory),
+publishing a partition in chunks, commit reports, the batch writer and
+:func:`publish_partitions`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import (
+    Row,
+    StringType,
+    StructType,
+)
+
+from .mapping import RowEncoder
+from .options import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_LOCK_TIMEOUT_S,
+    DEFAULT_RETRIES,
+    Options,
+    check_channel,
+)
+
+if TYPE_CHECKING:
+    import pyarrow as pa  # type: ignore[import-untyped]
+    from pyspark.sql import DataFrame
+
+    from ..config import Config
+
+
+log = logging.getLogger("keyop_messenger.spark")
+
+
+@dataclasses.dataclass
+class PartitionCommit(WriterCommitMessage):
+    """What one task published (the commit message of a write task)."""
+
+    partition_id: int
+    attempt: int
+    rows: int
+    batches: int
+    first_id: str | None = None
+    last_id: str | None = None
+    batch_id: int | None = None
+    resent: int = 0
+    """Chunks sent again after a lost connection (each may be stored twice)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteSpec:
+    channel: str
+    payload_type: str
+    config: Config | None
+    data_dir: str | None
+    name: str
+    storage: dict[str, int]
+    service_name: str | None
+    correlation_id: str | None
+    correlation_id_column: str | None
+    batch_size: int
+    connect_timeout_s: float
+    retries: int
+    lock_timeout_s: float
+    report_path: str | None
+    encoder: RowEncoder
+    streaming: bool
+
+    @classmethod
+    def from_options(cls, options: Any, schema: StructType, *, streaming: bool) -> WriteSpec:
+        from ..config import load_config
+
+        o = Options(options)
+        channel = o.required("channel", "the channel to publish to")
+        check_channel(channel, publish=True)
+        payload_type = o.get("payload_type")
+        if payload_type is None:
+            raise ValueError(
+                "keyop data source: option 'payload_type' is required (it may be empty)"
+            )
+        config_path, data_dir = o.get("config") or None, o.get("data_dir") or None
+        if data_dir is not None:
+            data_dir = os.path.abspath(data_dir)  # executors may run in another directory
+        if (config_path is None) == (data_dir is None):
+            raise ValueError(
+                "keyop data source: give exactly one of the options 'config' (publish through "
+                "the hub named in that YAML file) and 'data_dir' (publish into a local data "
+                "directory)"
+            )
+        config = load_config(config_path) if config_path is not None else None
+        if config is not None and not config.client.hubs:
+            raise ValueError(
+                f"keyop data source: {config_path}: client.hubs must name the hub to publish to"
+            )
+        storage: dict[str, int] = {}
+        for key in ("sync_interval_ms", "compaction_threshold_mb"):
+            if o.get(key):
+                storage[key] = o.integer(key, 0, minimum=-(2**31))
+        column = o.get("correlation_id_column") or None
+        if column is not None:
+            field = next((f for f in schema.fields if f.name == column), None)
+            if field is None:
+                raise ValueError(
+                    f"keyop data source: correlation_id_column {column!r} is not a column "
+                    f"(columns: {schema.fieldNames()})"
+                )
+            if not isinstance(field.dataType, StringType):
+                raise ValueError(
+                    f"keyop data source: correlation_id_column {column!r} must be a string "
+                    f"column, not {field.dataType.simpleString()}"
+                )
+        return cls(
+            channel=channel,
+            payload_type=payload_type,
+            config=config,
+            data_dir=data_dir,
+            name=o.get("name") or _host_name(),
+            storage=storage,
+            service_name=o.get("service_name") or None,
+            correlation_id=o.get("correlation_id") or None,
+            correlation_id_column=column,
+            batch_size=o.integer("batch_size", DEFAULT_BATCH_SIZE, minimum=1),
+            connect_timeout_s=o.number("connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S),
+            retries=o.integer("retries", DEFAULT_RETRIES),
+            lock_timeout_s=o.number("lock_timeout_s", DEFAULT_LOCK_TIMEOUT_S),
+            report_path=o.get("report_path") or None,
+            encoder=RowEncoder(schema),
+            streaming=streaming,
+        )
+
+    def target(self) -> _Target:
+        if self.config is not None:
+            return _HubTarget(self.config, self.connect_timeout_s, self.retries)
+        assert self.data_dir is not None
+        return _DirTarget(self.data_dir, self.name, self.storage, self.lock_timeout_s)
+
+
+def _host_name() -> str:
+    try:
+        return socket.gethostname() or "spark"
+    except OSError:
+        return "spark"
+
+
+class _Target:
+    """Where a task publishes: a hub (ephemeral client) or a local data dir."""
+
+    def publish_batch(
+        self,
+        channel: str,
+        items: list[tuple[str, Any]],
+        service_name: str | None,
+        correlation_id: str | None,
+    ) -> list[str]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _HubTarget(_Target):
+    """One ephemeral client; a chunk whose connection is lost before the hub
+    acknowledged it is sent again on a new connection, up to ``retries``
+    times in a row (it may then be stored twice: at-least-once)."""
+
+    def __init__(self, config: Config, connect_timeout_s: float, retries: int) -> None:
+        self.config = config
+        self.connect_timeout_s = connect_timeout_s
+        self.retries = retries
+        self.resent = 0
+        self.client: Any = None
+        self._with_retries(lambda: None)
+
+    def _open(self) -> None:
+        from ..ephemeral import EphemeralMessenger
+
+        client = EphemeralMessenger(self.config)
+        try:
+            client.connect(self.connect_timeout_s)
+        except BaseException:
+            client.close()
+            raise
+        self.client = client
+
+    def _with_retries(self, op: Callable[[], Any]) -> Any:
+        from ..errors import ConnectionLostError
+
+        delay = 0.2
+        for attempt in range(self.retries + 1):
+            try:
+                if self.client is None:
+                    self._open()
+                return op()
+            except ConnectionLostError as exc:
+                self.close()
+                if attempt == self.retries:
+                    raise
+                log.warning("keyop: %s; retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def publish_batch(
+        self,
+        channel: str,
+        items: list[tuple[str, Any]],
+        service_name: str | None,
+        correlation_id: str | None,
+    ) -> list[str]:
+        sent = [False]
+
+        def op() -> list[str]:
+            if sent[0]:
+                self.resent += 1
+            sent[0] = True
+            return list(
+                self.client.publish_batch(
+                    channel, items, service_name=service_name, correlation_id=correlation_id
+                )
+            )
+
+        result: list[str] = self._with_retries(op)
+        return result
+
+    def close(self) -> None:
+        if self.client is not None:
+            client, self.client = self.client, None
+            client.close()
+
+
+class _DirTarget(_Target):
+    def __init__(
+        self, data_dir: str, name: str, storage: dict[str, int], lock_timeout_s: float
+    ) -> None:
+        from ..config import Config
+        from ..errors import DataDirLockedError
+        from ..messenger import Messenger
+
+        config = Config.from_dict({"name": name, "storage": {"data_dir": data_dir, **storage}})
+        deadline = time.monotonic() + lock_timeout_s
+        delay = 0.02
+        while True:
+            try:
+                self.messenger = Messenger(config)
+                return
+            except DataDirLockedError as exc:
+                if time.monotonic() >= deadline:
+                    raise DataDirLockedError(
+                        f"{exc} (waited {lock_timeout_s:g} s: lock_timeout_s; with the "
+                        "data_dir option tasks take turns, so coalesce the DataFrame or "
+                        "raise lock_timeout_s)"
+                    ) from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def publish_batch(
+        self,
+        channel: str,
+        items: list[tuple[str, Any]],
+        service_name: str | None,
+        correlation_id: str | None,
+    ) -> list[str]:
+        return self.messenger.publish_batch(
+            channel, items, service_name=service_name, correlation_id=correlation_id
+        )
+
+    def close(self) -> None:
+        self.messenger.close()
+
+
+class PartitionError(RuntimeError):
+    """A write task failed; says how much of its partition was committed."""
+
+
+def _chunks(
+    payloads: Iterable[dict[str, Any]], size: int, column: str | None
+) -> Iterator[tuple[list[dict[str, Any]], str | None]]:
+    """Splits ``payloads`` into runs of at most ``size`` rows that share the
+    correlation id in ``column`` (one run if ``column`` is None)."""
+    chunk: list[dict[str, Any]] = []
+    key: str | None = None
+    for p in payloads:
+        k = p.get(column) if column is not None else None
+        if chunk and (len(chunk) >= size or k != key):
+            yield chunk, key
+            chunk = []
+        key = k
+        chunk.append(p)
+    if chunk:
+        yield chunk, key
+
+
+def _task_info() -> tuple[int, int, int | None, str | None]:
+    """(partition id, attempt, streaming batch id, streaming query id) of the
+    running task."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    if ctx is None:
+        return 0, 0, None, None
+    batch = ctx.getLocalProperty("streaming.sql.batchId")
+    query = ctx.getLocalProperty("sql.streaming.queryId")
+    return (
+        ctx.partitionId(),
+        ctx.attemptNumber(),
+        int(batch) if batch not in (None, "") else None,
+        query or None,
+    )
+
+
+def publish_payloads(spec: WriteSpec, payloads: Iterable[dict[str, Any]]) -> PartitionCommit:
+    """Publishes ``payloads`` (this task's rows) as ``spec`` says; returns the
+    task's commit message. Opens the target lazily: an empty partition
+    connects to nothing."""
+    partition, attempt, batch_id, query_id = _task_info()
+    commit = PartitionCommit(partition, attempt, 0, 0, batch_id=batch_id)
+    target: _Target | None = None
+    auto_corr = (
+        spec.streaming and spec.correlation_id is None and spec.correlation_id_column is None
+    )
+    try:
+        for index, (chunk, key) in enumerate(
+            _chunks(payloads, spec.batch_size, spec.correlation_id_column)
+        ):
+            if target is None:
+                target = spec.target()
+            if spec.correlation_id_column is not None:
+                corr = key
+            elif auto_corr:
+                corr = f"spark:{query_id or 'query'}:{batch_id}:{partition}:{index}"
+            else:
+                corr = spec.correlation_id
+            items = [(spec.payload_type, p) for p in chunk]
+            ids = target.publish_batch(spec.channel, items, spec.service_name, corr)
+            if ids:
+                commit.first_id = commit.first_id or ids[0]
+                commit.last_id = ids[-1]
+            commit.rows += len(ids)
+            commit.batches += 1
+    except Exception as exc:
+        where = "" if batch_id is None else f" of micro-batch {batch_id}"
+        raise PartitionError(
+            f"keyop: partition {partition}{where} (attempt {attempt}) failed after "
+            f"committing {commit.rows} rows in {commit.batches} batches to channel "
+            f"{spec.channel!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        if target is not None:
+            commit.resent = getattr(target, "resent", 0)
+            target.close()
+    return commit
+
+
+def report(
+    spec: WriteSpec,
+    messages: Sequence[WriterCommitMessage | None],
+    *,
+    aborted: bool,
+    batch_id: int | None = None,
+) -> None:
+    done = [m for m in messages if isinstance(m, PartitionCommit)]
+    total = sum(m.rows for m in done)
+    log.info(
+        "keyop write to %r %s: %d rows from %d of %d partitions",
+        spec.channel,
+        "aborted" if aborted else "committed",
+        total,
+        len(done),
+        len(messages),
+    )
+    if spec.report_path is None:
+        return
+    report = {
+        "channel": spec.channel,
+        "status": "aborted" if aborted else "committed",
+        "batch_id": batch_id,
+        "rows": total,
+        "partitions": [dataclasses.asdict(m) for m in done],
+        "failed_partitions": len(messages) - len(done),
+    }
+    path = spec.report_path
+    if batch_id is not None and "{batch_id}" in path:
+        path = path.replace("{batch_id}", str(batch_id))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+def publish_arrow(spec: WriteSpec, batches: Iterable[pa.RecordBatch]) -> PartitionCommit:
+    """Publishes this task's Arrow batches, one payload per row."""
+    encoder = spec.encoder
+    return publish_payloads(spec, (p for batch in batches for p in encoder.from_arrow(batch)))
+
+
+def publish_rows(spec: WriteSpec, rows: Iterable[Row]) -> PartitionCommit:
+    """Publishes this task's Rows, one payload per row."""
+    encoder = spec.encoder
+    return publish_payloads(spec, (encoder.from_row(r) for r in rows))
+
+
+class BatchWriter(DataSourceArrowWriter):
+    def __init__(self, spec: WriteSpec) -> None:
+        self.spec = spec
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionCommit:
+        return publish_arrow(self.spec, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        report(self.spec, messages, aborted=False)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        report(self.spec, messages, aborted=True)
+
+
+# ---------------------------------------------------------------------------
+# publish_partitions: for jobs that do not use the data source
+# ---------------------------------------------------------------------------
+
+
+def publish_partitions(
+    df: DataFrame,
+    channel: str,
+    payload_type: str,
+    config_path: str | os.PathLike[str],
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    service_name: str | None = None,
+    correlation_id: str | None = None,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    retries: int = DEFAULT_RETRIES,
+) -> int:
+    """Publishes every row of ``df`` to ``channel`` through the hub of the
+    configuration at ``config_path``, with ``df.foreachPartition``: each
+    partition uses one ephemeral client and ``publish_batch`` in chunks of
+    ``batch_size`` rows (payload = the row as a JSON object, as with the data
+    source). Returns the number of rows published (counted with an
+    accumulator, so classic PySpark only, not Spark Connect). Raises if a
+    partition fails (rows committed before the failure stay published)."""
+    from ..config import load_config
+
+    check_channel(channel, publish=True)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    config = load_config(config_path)  # fails fast, on the driver
+    if not config.client.hubs:
+        raise ValueError(f"{config_path}: client.hubs must name the hub to publish to")
+    spec = WriteSpec(
+        channel=channel,
+        payload_type=payload_type,
+        config=config,
+        data_dir=None,
+        name=config.name,
+        storage={},
+        service_name=service_name,
+        correlation_id=correlation_id,
+        correlation_id_column=None,
+        batch_size=batch_size,
+        connect_timeout_s=connect_timeout_s,
+        retries=retries,
+        lock_timeout_s=0.0,
+        report_path=None,
+        encoder=RowEncoder(df.schema),
+        streaming=False,
+    )
+    counter = df.sparkSession.sparkContext.accumulator(0)
+    # Only picklable values are captured: the spec (dataclasses) and the accumulator.
+    df.foreachPartition(_PartitionPublisher(spec, counter))
+    return int(counter.value)
+
+
+class _PartitionPublisher:
+    """The picklable function ``publish_partitions`` runs on every partition."""
+
+    def __init__(self, spec: WriteSpec, counter: Any) -> None:
+        self.spec = spec
+        self.counter = counter
+
+    def __call__(self, rows: Iterable[Row]) -> None:
+        commit = publish_rows(self.spec, rows)
+        self.counter.add(commit.rows)
