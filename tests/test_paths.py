@@ -69,3 +69,70 @@ def test_only_opening_a_messenger_creates_the_data_dir(tmp_path: Path) -> None:
     with Messenger(Config.from_dict({"name": "n", "storage": {"data_dir": str(data)}})):
         pass
     assert data.is_dir()
+
+
+# ---------------------------------------------------------------------------
+# The CLI: a missing data directory or channel is exit status 2, one line
+# "Error: ..." on stderr, and nothing is created.
+# ---------------------------------------------------------------------------
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str]:
+    from keyop_messenger.cli import main
+
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return code, err
+
+
+def write_config(tmp_path: Path, data: Path) -> Path:
+    cfg = tmp_path / "keyop.yaml"
+    cfg.write_text(f"name: n\nstorage:\n  data_dir: {data}\n")
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["tail", "--data-dir", "{data}", "temps"],
+        ["tail", "--data-dir", "{data}", "temps", "-f"],
+        ["dead-letters", "--data-dir", "{data}", "temps"],
+        ["stats", "--config", "{cfg}"],
+        ["dead-letters", "replay", "--config", "{cfg}", "temps"],
+    ],
+)
+def test_cli_on_a_missing_data_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    data = tmp_path / "nope"
+    cfg = write_config(tmp_path, data)
+    argv = [a.format(data=data, cfg=cfg) for a in command]
+    code, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    assert err.startswith("Error: ") and err.count("\n") == 1, err
+    assert "does not exist" in err and str(data) in err
+    assert not data.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["tail", "--data-dir", "{data}", "humidity"],
+        ["dead-letters", "--data-dir", "{data}", "humidity"],
+        ["dead-letters", "replay", "--config", "{cfg}", "humidity"],
+    ],
+)
+def test_cli_on_a_missing_channel(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    data = tmp_path / "data"
+    cfg = write_config(tmp_path, data)
+    with Messenger(Config.from_dict({"name": "n", "storage": {"data_dir": str(data)}})) as m:
+        m.publish("temps", "test.Reading", {})
+    argv = [a.format(data=data, cfg=cfg) for a in command]
+    code, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    assert err.startswith("Error: ") and err.count("\n") == 1, err
+    assert 'channel "humidity' in err and "does not exist" in err
+    assert not (data / "channels" / "humidity").exists()
+    assert not (data / "channels" / "humidity.dead-letter").exists()

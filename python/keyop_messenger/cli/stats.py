@@ -37,6 +37,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     m = open_local(
         args.config,
         "a running messenger serves its statistics on metrics.listen_addr",
+        existing=True,
     )
     with m:
         stats = m.stats()

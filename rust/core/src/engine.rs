@@ -1,10 +1,7 @@
 //! The messenger engine: a data directory plus an instance name, publishing
 //! envelopes through the channel writers.
-//!
-//! Why this file is long: it is the engine's whole public surface (publish,
-//! read, subscribe, stats, retention, federation, close and its fork-safe
-//! form), each a short method delegating to storage, subscribe or
-//! federation; splitting it would scatter one object's life cycle.
+//! why this file is long: it is the engine's whole public surface, each a short
+//! method delegating to storage, subscribe or federation.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;

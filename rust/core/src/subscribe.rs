@@ -1,5 +1,7 @@
 //! Delivery to local subscribers: read -> handler -> retry/backoff ->
 //! acknowledge or dead-letter, with a persisted offset per subscriber.
+//! why this file is long: the delivery loop, its retry/dead-letter path and the
+//! subscriber's bounded stop share the worker's state.
 //!
 //! Each subscriber runs on its own engine-owned thread. It waits on its
 //! channel's commit notifier (with a slow fallback poll), reads whole
@@ -9,10 +11,6 @@
 //! after the last retry it is appended to `<channel>.dead-letter` and only
 //! then is the offset moved past it. Stopping during a backoff leaves the
 //! failing record unacknowledged, so it is delivered again next time.
-//!
-//! Why this file is long: the delivery loop, its retry/dead-letter path and
-//! the subscriber's bounded stop share the worker's state; they read best
-//! together.
 
 use std::io;
 use std::path::PathBuf;

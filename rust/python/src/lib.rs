@@ -1,14 +1,9 @@
 //! `keyop_messenger._core`: the PyO3 face of keyop-core.
+//! why this file is long: it lists every class the extension exports, each method
+//! a few lines of conversion around one engine call (JSON, keygen, errors are apart).
 //!
 //! Thin by design: argument conversion, GIL release around every blocking
 //! step, and error mapping (in `errors`). No engine logic lives here.
-//!
-//! Why this file is long: it is the one list of the classes the extension
-//! exports (Engine, MessengerBase, Subscription, RecordIter, EphemeralClient)
-//! and their methods, each a few lines of conversion around one engine call;
-//! splitting it per class would spread one small concern over many files
-//! that other work edits at the same time. JSON conversion, keygen and the
-//! error mapping already live in their own modules.
 
 mod errors;
 mod json;
