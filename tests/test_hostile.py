@@ -674,11 +674,21 @@ def test_records_for_bad_channel_names_are_policy_violations(hub: Hub, pki: PKI)
         raw.send_binary(batch(bad[0], good, *bad[1:]))
         assert raw.recv_text() == ack_of(rid_of(bad[-1])), "refused records are acknowledged"
     assert raw_records(hub.dir, "temps") == [good]
+    # Dead-letter names are valid names a peer may not publish (policy); the
+    # others make the record invalid (envelope.rs), and are not echoed.
     violations = audit_events(hub.dir, "policy_violation")
+    invalid = audit_events(hub.dir, "record_refused")
+    dead = {"x.dead-letter", "temps.dead-letter"}
     assert [(v["channel"], v["message_id"]) for v in violations] == [
-        (ch, rid_of(rec)) for ch, rec in zip(BAD_CHANNELS, bad, strict=True)
+        (ch, rid_of(rec)) for ch, rec in zip(BAD_CHANNELS, bad, strict=True) if ch in dead
     ]
-    assert all((v["peer"], v["direction"]) == ("node2", "inbound") for v in violations)
+    assert [(v.get("channel", ""), v["message_id"]) for v in invalid] == [
+        ("", rid_of(rec)) for ch, rec in zip(BAD_CHANNELS, bad, strict=True) if ch not in dead
+    ]
+    assert all(v["detail"].startswith("reason=invalid ") for v in invalid)
+    assert all(
+        (v["peer"], v["direction"]) == ("node2", "inbound") for v in violations + invalid
+    )
     assert not (hub.dir / "x").exists() and not (hub.dir / "channels" / "a").exists()
     assert not (hub.dir / "channels" / "x.dead-letter").exists()
     assert not (hub.dir / "channels" / "temps.dead-letter").exists()

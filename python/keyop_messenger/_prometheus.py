@@ -27,7 +27,7 @@ _Labels = tuple[tuple[str, str], ...]
 
 
 def _escape_label(value: str) -> str:
-    """A label value as the text format wants it: ``\\``, ``"`` and newline escaped."""
+    r"""A label value as the text format wants it: ``\``, ``"`` and newline escaped."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
@@ -125,6 +125,21 @@ def render(stats: Stats) -> str:
         "Channels in the data directory.",
         [((), stats.totals.channels)],
     )
+    loss = stats.data_loss
+    out.family(
+        "keyop_data_loss_total",
+        "counter",
+        "Data loss readers met in this process, by kind: gap (a reader's position "
+        "pointed into bytes that were gone) or quarantined (an unreadable record "
+        "copied aside and passed over).",
+        [((("kind", "gap"),), loss.gaps), ((("kind", "quarantined"),), loss.quarantined)],
+    )
+    out.family(
+        "keyop_data_loss_bytes_total",
+        "counter",
+        "Bytes in the gaps readers met in this process.",
+        [((), loss.gap_bytes)],
+    )
     stages = sorted(stats.latency.items())
     out.family(
         "keyop_latency_seconds",
@@ -171,6 +186,17 @@ def _link_families(out: _Writer, links: list[HubLinkStats]) -> None:
         "gauge",
         "Bytes sent to the hub and not yet acknowledged.",
         [((("hub", link.addr),), link.unacked_bytes) for link in links],
+    )
+    out.family(
+        "keyop_federation_refused_total",
+        "counter",
+        "Messages the hub refused (policy, size, validity, channel limit), per channel;"
+        " they stay in this instance's channel files.",
+        [
+            ((("hub", link.addr), ("channel", channel)), n)
+            for link in links
+            for channel, n in sorted(link.refused.items())
+        ],
     )
     out.family(
         "keyop_federation_link_rtt_seconds",

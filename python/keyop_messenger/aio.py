@@ -60,7 +60,7 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -99,7 +99,7 @@ _LOOP_CHECK_S = 0.25
 AsyncHandler = Callable[[Message], Awaitable[Any]]
 """An ``async def handler(msg)``: returning acknowledges, raising means retry."""
 
-ConfigLike = Config | str | os.PathLike[str]
+ConfigLike = Config | Mapping[str, Any] | str | os.PathLike[str]
 
 # Set inside handler coroutines, so close() called from a handler does not wait
 # for that very handler (which would never finish).
@@ -243,8 +243,7 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         return await self._submit(fn, *args, **kwargs)
 
     def _check_process(self) -> None:
-        if os.getpid() != self._pid:
-            # The pool's threads and the messenger are the parent's.
+        if os.getpid() != self._pid:  # the pool and the messenger are the parent's
             raise ForkedProcessError(
                 f"this {type(self).__name__} was opened in process {self._pid}, this is "
                 f"process {os.getpid()}: open a new one in the child"
@@ -454,10 +453,6 @@ class AsyncSubscription(_AsyncContext):
             return
         await _finish(self._owner._submit(sync.close, timeout))
 
-    async def aclose(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Same as :meth:`close`."""
-        await self.close(timeout)
-
     def __repr__(self) -> str:
         state = "active" if self.active else "closed"
         return f"<AsyncSubscription {self._channel!r}/{self.subscriber_id!r} {state}>"
@@ -502,7 +497,12 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         return self._require().config
 
     async def subscribe(
-        self, channel: str, subscriber_id: str, handler: AsyncHandler
+        self,
+        channel: str,
+        subscriber_id: str,
+        handler: AsyncHandler,
+        *,
+        on_gap: Callable[[str, str, int, int], Any] | None = None,
     ) -> AsyncSubscription:
         """Delivers ``channel`` to the ``async def`` ``handler`` as subscriber
         ``subscriber_id``, on the running event loop.
@@ -511,10 +511,12 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         current end, a known id resumes from its offset file; returning
         acknowledges, raising retries with backoff and eventually
         dead-letters. One message at a time per subscription, in order.
+        ``on_gap`` (a plain function, called on an engine thread) is told of
+        data gone before it was read, as with :meth:`Messenger.subscribe`.
         """
         sync = self._require()
         bridge = self._bridge(handler, f"{channel}/{subscriber_id}")
-        core = await self._run(sync.subscribe, channel, subscriber_id, bridge)
+        core = await self._run(sync.subscribe, channel, subscriber_id, bridge, on_gap=on_gap)
         sub = AsyncSubscription(self, core, bridge, channel)
         bridge.subscription = sub
         return sub

@@ -13,11 +13,11 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _core
-from ._closing import _SyncContext
+from ._closing import _SyncContext, refuse_when_closed
 from .config import Config, load_config
 from .context import resolve
 from .errors import ConfigError, send_batch, unicode_error
@@ -35,6 +35,7 @@ CONNECT_TIMEOUT_S = 10.0
 PUBLISH_TIMEOUT_S = 60.0
 
 
+@refuse_when_closed(lambda e: e._closed, lambda e: f"ephemeral messenger {e.name!r}")
 class EphemeralMessenger(_SyncContext):
     """A storage-less client of the first hub in ``config.client.hubs``.
 
@@ -48,12 +49,21 @@ class EphemeralMessenger(_SyncContext):
     publishes made meanwhile wait in the bounded outbound buffer
     (``federation.send_buffer_messages`` publish calls). A full buffer raises
     :class:`BufferFullError`.
+
+    ``config`` is a :class:`Config`, a mapping in the YAML shape or the path
+    of a YAML file. After ``close()`` every method but ``close()`` raises
+    :class:`ClosedError`.
     """
 
     def __init__(
-        self, config: Config | str | os.PathLike[str], *, auto_reconnect: bool = False
+        self,
+        config: Config | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        auto_reconnect: bool = False,
     ) -> None:
-        if not isinstance(config, Config):
+        if isinstance(config, Mapping):
+            config = Config.from_dict(config)
+        elif not isinstance(config, Config):
             config = load_config(config)
         if not config.client.hubs:
             raise ConfigError(["client.hubs: an EphemeralMessenger needs at least one hub"])
@@ -149,7 +159,13 @@ class EphemeralMessenger(_SyncContext):
         timeout: float = PUBLISH_TIMEOUT_S,
     ) -> str:
         """Publishes one message; returns its id once the hub committed it.
-        See :meth:`publish_batch` for ``timeout``."""
+        See :meth:`publish_batch` for ``timeout``.
+
+        Raises :class:`PolicyError` (naming the channel and the hub) when the
+        hub refuses the message: a channel not in this peer's allowed publish
+        list (known from the hub's handshake, so nothing is sent), or a record
+        the hub's acknowledgement lists as refused (policy, size, validity).
+        A refused message was not stored and no id is returned."""
         return self.publish_batch(
             channel,
             [(payload_type, payload)],
@@ -170,6 +186,9 @@ class EphemeralMessenger(_SyncContext):
         """Publishes ``(payload_type, payload)`` pairs in one frame; returns
         their ids once the hub committed and acknowledged the frame.
 
+        Raises :class:`PolicyError` when the hub refuses any of them (see
+        :meth:`publish`); the others may have been stored.
+
         Waits at most ``timeout`` seconds (default 60) for the
         acknowledgement, also while disconnected with ``auto_reconnect``;
         then raises :class:`KeyopTimeoutError`: a publish not yet sent is
@@ -182,7 +201,8 @@ class EphemeralMessenger(_SyncContext):
         return send_batch(send, channel, pairs, service, corr, to_plain)
 
     def status(self) -> dict[str, Any]:
-        """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``."""
+        """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``,
+        and ``refused`` (records the hub refused, per channel)."""
         return self._client.status()
 
     def close(self) -> None:

@@ -67,7 +67,10 @@ class MessageTooLargeError(KeyopError, ValueError):
 
 
 class StorageError(KeyopError, OSError):
-    """Reading or writing the data directory failed; a failed publish was not committed."""
+    """Reading or writing the data directory failed; a failed publish was not committed.
+
+    The message names the file; ``errno`` is the OS error (e.g. ``errno.ENOSPC``,
+    ``errno.EIO``, ``errno.EROFS``) when the OS reported one, else ``None``."""
 
 
 class DataDirLockedError(StorageError):
@@ -121,9 +124,10 @@ class SubscriptionError(KeyopError, RuntimeError):
 
 
 class FederationError(KeyopError, RuntimeError):
-    """Federation could not start: unusable TLS material, a listen address in
-    use, or an invalid hub address. (A hub that is down is not an error: the
-    client keeps dialing it in the background.)"""
+    """Federation could not start: bad TLS material, a listen address in use, a bad hub address.
+
+    A hub that is down is not an error: the client keeps dialing it in the background.
+    """
 
 
 class CertificateError(KeyopError, ValueError):

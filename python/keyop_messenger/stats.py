@@ -8,6 +8,7 @@ from typing import Any
 
 __all__ = [
     "ChannelStats",
+    "DataLossStats",
     "FederationStats",
     "HubLinkStats",
     "HubListenerStats",
@@ -82,6 +83,12 @@ class HubLinkStats:
     rtt_p50_us: float
     """Batch send -> acknowledgement round trip."""
     rtt_p99_us: float
+    refused: dict[str, int] = field(default_factory=dict)
+    """Records the hub refused, per channel, since this messenger started
+    (policy, size or validity). They stay in this instance's channel files."""
+    refused_channels: list[str] = field(default_factory=list)
+    """Configured ``publish`` channels the hub's handshake says it refuses:
+    not sent (their cursor stays, so they go out once the hub allows them)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,21 @@ class FederationStats:
 
 
 @dataclass(frozen=True)
+class DataLossStats:
+    """Data loss seen by readers in this process (all messengers and
+    ``read_channel`` calls together)."""
+
+    gaps: int = 0
+    """Times a reader's position pointed into bytes that were gone (deleted by
+    retention, a removed or truncated segment); each is logged (WARNING)."""
+    gap_bytes: int = 0
+    """Bytes in those gaps."""
+    quarantined: int = 0
+    """Unreadable records copied to ``<data_dir>/quarantine/<channel>/`` and
+    passed over (each counted once)."""
+
+
+@dataclass(frozen=True)
 class Stats:
     """A snapshot (not atomic across channels) of a messenger."""
 
@@ -114,6 +136,8 @@ class Stats:
     """Per stage: ``publish`` (append to commit), ``consume`` (commit to handler
     start) and ``handler`` (handler run time, per batch of messages)."""
     federation: FederationStats
+    data_loss: DataLossStats = field(default_factory=DataLossStats)
+    """Gaps and quarantined records (exported as ``keyop_data_loss_total``)."""
 
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
@@ -155,9 +179,16 @@ def stats_from_engine(raw: dict[str, Any]) -> Stats:
     federation = FederationStats(
         links=[
             HubLinkStats(
-                addr=a, connected=c, reconnects=r, unacked_bytes=u, rtt_p50_us=p50, rtt_p99_us=p99
+                addr=a,
+                connected=c,
+                reconnects=r,
+                unacked_bytes=u,
+                rtt_p50_us=p50,
+                rtt_p99_us=p99,
+                refused=dict(refused),
+                refused_channels=list(refused_channels),
             )
-            for a, c, r, u, p50, p99 in raw["links"]
+            for a, c, r, u, p50, p99, refused, refused_channels in raw["links"]
         ],
         listener=None
         if listener is None
@@ -169,4 +200,11 @@ def stats_from_engine(raw: dict[str, Any]) -> Stats:
             connections_rejected=listener[4],
         ),
     )
-    return Stats(channels=channels, totals=totals, latency=latency, federation=federation)
+    gaps, gap_bytes, quarantined = raw.get("data_loss", (0, 0, 0))
+    return Stats(
+        channels=channels,
+        totals=totals,
+        latency=latency,
+        federation=federation,
+        data_loss=DataLossStats(gaps=gaps, gap_bytes=gap_bytes, quarantined=quarantined),
+    )

@@ -51,6 +51,7 @@ class Parser(argparse.ArgumentParser):
     ops = False
 
     def error(self, message: str) -> NoReturn:
+        """Raises the usage error (status 2 for operator commands, else 1) rather than exiting."""
         if self.ops:
             raise OpsUsageError(f"{self.prog}: {message} (see {self.prog} --help)")
         raise UsageError(message)
@@ -77,6 +78,7 @@ CONFIG_HELP = "configuration file (YAML) of the messenger"
 
 
 def non_negative_int(text: str) -> int:
+    """Parses a whole number >= 0 (an argparse ``type``)."""
     value = int(text)
     if value < 0:
         raise ValueError(text)
@@ -87,6 +89,7 @@ non_negative_int.__name__ = "non-negative integer"
 
 
 def positive_float(text: str) -> float:
+    """Parses a number > 0 (an argparse ``type``)."""
     value = float(text)
     if not value > 0:
         raise ValueError(text)
@@ -109,6 +112,7 @@ class Out:
         self._lock = threading.Lock()
 
     def line(self, text: str) -> None:
+        """Writes ``text`` and a line break, then flushes; a closed pipe raises ``PipeClosed``."""
         with self._lock:
             try:
                 self._stream.write(text + "\n")
@@ -117,6 +121,7 @@ class Out:
                 raise PipeClosed() from None
 
     def json(self, doc: Any) -> None:
+        """Writes ``doc`` as one compact JSON line."""
         self.line(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
 
 
@@ -131,6 +136,7 @@ class Progress:
         self.count = 0
 
     def add(self, n: int = 1) -> None:
+        """Counts ``n`` more items and redraws the line if a quarter second has passed."""
         self.count += n
         now = time.monotonic()
         if self._tty and now - self._last >= PROGRESS_INTERVAL_S:
@@ -146,6 +152,7 @@ class Progress:
             self._last = 0.0
 
     def done(self, summary: str) -> None:
+        """Erases the progress line and prints ``summary`` on stderr."""
         self.clear()
         sys.stderr.write(summary + "\n")
         sys.stderr.flush()
@@ -162,6 +169,7 @@ def rfc3339_nanos(ns: int) -> str:
 
 
 def rfc3339(dt: datetime.datetime) -> str:
+    """``dt`` as RFC 3339 UTC with the fraction's trailing zeros trimmed (microseconds)."""
     dt = dt.astimezone(datetime.timezone.utc)
     text = dt.strftime("%Y-%m-%dT%H:%M:%S")
     if dt.microsecond:
@@ -207,6 +215,7 @@ def table(rows: Sequence[Sequence[Any]], right: set[int]) -> list[str]:
 
 
 def load(path: str) -> Config:
+    """The validated configuration in the YAML file ``path``."""
     from ..config import load_config
 
     return load_config(path)
@@ -246,6 +255,8 @@ def open_local(config_path: str, hint: str = "", *, existing: bool = False) -> M
 
 
 def ephemeral_config(config: Config, subscribe: list[str] | None = None) -> Config:
+    """``config`` for an ephemeral client: its first hub entry, subscribing to ``subscribe`` when
+    given."""
     from ..errors import ConfigError
 
     if not config.client.hubs:

@@ -60,6 +60,7 @@ class PartitionCommit(WriterCommitMessage):
 
 @dataclasses.dataclass(frozen=True)
 class WriteSpec:
+    """The checked write options: where to publish and how (built on the driver)."""
     channel: str
     payload_type: str
     config: Config | None
@@ -79,6 +80,7 @@ class WriteSpec:
 
     @classmethod
     def from_options(cls, options: Any, schema: StructType, *, streaming: bool) -> WriteSpec:
+        """Checks the write options; ``ValueError`` names the first problem."""
         from ..config import load_config
 
         o = Options(options)
@@ -104,7 +106,7 @@ class WriteSpec:
                 f"keyop data source: {config_path}: client.hubs must name the hub to publish to"
             )
         storage: dict[str, int] = {}
-        for key in ("sync_interval_ms", "compaction_threshold_mb"):
+        for key in ("sync_interval_ms", "segment_size_mb", "compaction_threshold_mb"):
             if o.get(key):
                 storage[key] = o.integer(key, 0, minimum=-(2**31))
         column = o.get("correlation_id_column") or None
@@ -140,6 +142,7 @@ class WriteSpec:
         )
 
     def target(self) -> _Target:
+        """Where a task publishes: a hub (``config``) or a local data directory (``data_dir``)."""
         if self.config is not None:
             return _HubTarget(self.config, self.connect_timeout_s, self.retries)
         assert self.data_dir is not None
@@ -369,6 +372,7 @@ def report(
     aborted: bool,
     batch_id: int | None = None,
 ) -> None:
+    """Logs the rows the tasks committed and, with ``report_path``, writes them there as JSON."""
     done = [m for m in messages if isinstance(m, PartitionCommit)]
     total = sum(m.rows for m in done)
     log.info(
@@ -411,16 +415,20 @@ def publish_rows(spec: WriteSpec, rows: Iterable[Row]) -> PartitionCommit:
 
 
 class BatchWriter(DataSourceArrowWriter):
+    """Batch write: each task publishes its rows through one ephemeral client (or the data dir)."""
     def __init__(self, spec: WriteSpec) -> None:
         self.spec = spec
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionCommit:
+        """Publishes this task's rows; returns what it committed."""
         return publish_arrow(self.spec, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Logs (and writes to ``report_path``) what the tasks committed."""
         report(self.spec, messages, aborted=False)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Logs (and writes to ``report_path``) what the tasks of a failed job committed."""
         report(self.spec, messages, aborted=True)
 
 

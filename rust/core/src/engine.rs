@@ -203,7 +203,7 @@ impl Engine {
         } else {
             None
         };
-        Ok((LogReader::new(dir, from), writer))
+        Ok((self.store.reader(dir, from), writer))
     }
 
     /// A reader of an existing `channel` from global offset `from`, and its
@@ -214,7 +214,7 @@ impl Engine {
         validate_name(NameKind::Channel, channel)?;
         let dir = existing_channel_dir(self.store.data_dir(), channel)?;
         let writer = self.store.writer(channel)?;
-        Ok((LogReader::new(dir, from), writer))
+        Ok((self.store.reader(dir, from), writer))
     }
 
     fn subs(&self) -> std::sync::MutexGuard<'_, HashMap<SubscriberKey, Arc<Subscriber>>> {
@@ -636,7 +636,9 @@ fn oldest_pending(dir: &Path, from: u64, limit: u64) -> Option<i64> {
 }
 
 /// Appends one new envelope (fresh UUIDv7 id, current time) from `origin` to
-/// `out` and returns its id; refuses records over the size limit.
+/// `out` and returns its id; refuses invalid records (names, fields, payload
+/// depth: [`envelope::validate_header`], [`envelope::check_payload_depth`])
+/// and records over the size limit, appending nothing.
 pub fn encode_message(
     out: &mut Vec<u8>,
     origin: &str,
@@ -645,19 +647,19 @@ pub fn encode_message(
 ) -> Result<String, Error> {
     let stamp = Stamp::now();
     let before = out.len();
-    encode_record(
-        out,
-        &Header {
-            id: stamp.id(),
-            ts: stamp.ts(),
-            channel,
-            origin,
-            payload_type: m.payload_type,
-            correlation_id: m.correlation_id,
-            service_name: m.service_name,
-        },
-        m.payload_json,
-    );
+    let header = Header {
+        id: stamp.id(),
+        ts: stamp.ts(),
+        channel,
+        origin,
+        payload_type: m.payload_type,
+        correlation_id: m.correlation_id,
+        service_name: m.service_name,
+    };
+    // The one definition of a valid record (envelope.rs), before anything is written.
+    envelope::validate_header(&header, NameKind::PublishChannel)?;
+    envelope::check_payload_depth(m.payload_json)?;
+    encode_record(out, &header, m.payload_json);
     let size = out.len() - before;
     if size > MAX_RECORD_BYTES {
         out.truncate(before);

@@ -1,11 +1,17 @@
 //! The JSONL envelope: building, encoding, decoding, and name validation.
+//! why this file is long: names, ids, timestamps, the record codec and the
+//! record rules are one contract (the line format); splitting them would
+//! spread that contract over several files.
 //!
 //! Every record on disk and on the wire is one envelope serialised as a single
 //! line of compact JSON with the keys, in order, of keyop-messenger 1.4:
 //! `v, id, ts, channel, origin, payload_type, [correlation_id], [service_name], payload`.
 //!
 //! This module is also the one place where names that become paths (channel
-//! names, subscriber ids, peer names) are validated.
+//! names, subscriber ids, peer names) are validated, and where a valid record
+//! is defined ([`validate_header`], [`check_payload_depth`],
+//! [`decode_valid`]): every way in (local publish, federation, a gateway)
+//! applies these rules, so nothing is stored that a reader would refuse.
 
 use std::fmt;
 use std::io::Write as _;
@@ -125,6 +131,224 @@ pub fn max_len(kind: NameKind) -> usize {
         NameKind::PublishChannel => MAX_NAME_BYTES - DEAD_LETTER_SUFFIX.len(),
         NameKind::SubscriberId => MAX_NAME_BYTES - TMP_OFFSET,
         NameKind::PeerName => MAX_NAME_BYTES - FED_CURSOR_PREFIX.len() - TMP_OFFSET,
+    }
+}
+
+/// Deepest nesting of arrays and objects accepted in a payload (`[[1]]` is 2).
+///
+/// Every reader in this package decodes payloads with serde_json, whose
+/// default recursion limit is 128 levels for the whole value; a record's
+/// payload sits one level inside the envelope and three inside a dead letter
+/// (`{"original":{..,"payload":..}}` as the payload of another envelope), so
+/// 100 leaves every reader room. Go 1.4 readers accept 10000 levels.
+pub const MAX_PAYLOAD_DEPTH: usize = 100;
+/// Longest message id accepted, in bytes. 1.4 writes 36-byte UUIDs.
+pub const MAX_ID_BYTES: usize = 64;
+/// Longest `origin`, `payload_type`, `service_name` or `correlation_id`, in bytes.
+pub const MAX_FIELD_BYTES: usize = 255;
+
+/// Why a record is not valid; nothing of it is stored. Names and ids in the
+/// message are cut short, so a hostile 9 MiB id is never echoed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// Larger than the receiver accepts (bytes of JSON, without newline).
+    #[error("record is {size} bytes; the limit is {limit} bytes")]
+    TooLarge { size: usize, limit: usize },
+    /// Not a readable envelope (JSON, version, timestamp).
+    #[error("unreadable record: {0}")]
+    Unreadable(String),
+    /// The payload nests arrays/objects deeper than [`MAX_PAYLOAD_DEPTH`].
+    #[error("payload is nested deeper than {MAX_PAYLOAD_DEPTH} levels of arrays and objects")]
+    TooDeep,
+    /// A field breaks its rule; `reason` says what is allowed.
+    #[error("invalid {field} {value}: {reason}")]
+    Field {
+        field: &'static str,
+        /// The value, quoted and cut to 40 characters.
+        value: String,
+        reason: String,
+    },
+}
+
+/// `text` quoted for a message, cut to 40 characters.
+fn shorten(text: &str) -> String {
+    let mut chars = text.chars();
+    let head: String = chars.by_ref().take(40).collect();
+    if chars.next().is_some() {
+        format!("{head:?}... ({} bytes)", text.len())
+    } else {
+        format!("{head:?}")
+    }
+}
+
+fn field_error(field: &'static str, value: &str, reason: String) -> RecordError {
+    RecordError::Field {
+        field,
+        value: shorten(value),
+        reason,
+    }
+}
+
+/// Checks a message id: 1 to [`MAX_ID_BYTES`] bytes of `A-Z a-z 0-9 - _ . :`
+/// (a UUID, ULID or prefixed id fits; 1.4 writes lowercase UUIDv7 text).
+pub fn validate_id(id: &str) -> Result<(), RecordError> {
+    if id.is_empty() {
+        return Err(field_error("id", id, "must not be empty".into()));
+    }
+    if id.len() > MAX_ID_BYTES {
+        return Err(field_error(
+            "id",
+            id,
+            format!("at most {MAX_ID_BYTES} bytes are allowed"),
+        ));
+    }
+    if !id
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+    {
+        return Err(field_error(
+            "id",
+            id,
+            "only letters, digits, '-', '_', '.' and ':' are allowed".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a free-text header field (`origin`, `payload_type`,
+/// `service_name`, `correlation_id`): at most [`MAX_FIELD_BYTES`] bytes, no
+/// control characters (they would forge log and audit lines). May be empty.
+pub fn validate_field(field: &'static str, value: &str) -> Result<(), RecordError> {
+    if value.len() > MAX_FIELD_BYTES {
+        return Err(field_error(
+            field,
+            value,
+            format!("at most {MAX_FIELD_BYTES} bytes are allowed"),
+        ));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(field_error(
+            field,
+            value,
+            "control characters are not allowed".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks every header field of a record about to be written: the id, the
+/// channel (as `kind`) and the free-text fields. The timestamp is checked by
+/// [`Envelope::decode`] (received records) or made here ([`Stamp`]).
+pub fn validate_header(h: &Header<'_>, kind: NameKind) -> Result<(), RecordError> {
+    validate_id(h.id)?;
+    validate_name(kind, h.channel).map_err(|e| field_error("channel", h.channel, e.reason))?;
+    validate_field("origin", h.origin)?;
+    validate_field("payload_type", h.payload_type)?;
+    validate_field("service_name", h.service_name.unwrap_or(""))?;
+    validate_field("correlation_id", h.correlation_id.unwrap_or(""))?;
+    Ok(())
+}
+
+/// Checks that the JSON text `json` nests arrays and objects at most
+/// [`MAX_PAYLOAD_DEPTH`] deep. One pass over the bytes, no recursion; the
+/// text must be valid JSON (strings are skipped by their quotes).
+pub fn check_payload_depth(json: &[u8]) -> Result<(), RecordError> {
+    // Each level needs at least two bytes: shorter texts cannot be too deep.
+    if json.len() <= 2 * MAX_PAYLOAD_DEPTH {
+        return Ok(());
+    }
+    let mut depth = 0usize;
+    let mut i = 0;
+    while let Some(at) = memchr::memchr3(b'"', b'[', b'{', &json[i..]) {
+        let at = i + at;
+        // Closers between `i` and `at` lower the depth.
+        depth = depth.saturating_sub(
+            json[i..at]
+                .iter()
+                .filter(|&&b| b == b']' || b == b'}')
+                .count(),
+        );
+        if json[at] == b'"' {
+            // Skip the string: find the closing quote not escaped.
+            let mut j = at + 1;
+            loop {
+                match memchr::memchr2(b'"', b'\\', &json[j..]) {
+                    Some(k) if json[j + k] == b'\\' => j += k + 2,
+                    Some(k) => {
+                        j += k + 1;
+                        break;
+                    }
+                    None => return Ok(()),
+                }
+            }
+            i = j.min(json.len());
+        } else {
+            depth += 1;
+            if depth > MAX_PAYLOAD_DEPTH {
+                return Err(RecordError::TooDeep);
+            }
+            i = at + 1;
+        }
+    }
+    Ok(())
+}
+
+/// A received record that is not valid: why, and what of it may be echoed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid {
+    pub error: RecordError,
+    /// The record's id when it parsed and is itself valid, else empty.
+    pub id: String,
+    /// The record's channel when it parsed and is a valid name, else empty.
+    pub channel: String,
+}
+
+/// Decodes a received record and applies every rule of a valid record:
+/// size (`limit` bytes of JSON), readability, header fields (the channel as
+/// `kind`) and payload depth. On error only a valid id and a valid channel
+/// name are kept (so a refusal can name them; an invalid one is never echoed).
+pub fn decode_valid(rec: &[u8], limit: usize, kind: NameKind) -> Result<Envelope, Box<Invalid>> {
+    let invalid = |error: RecordError, env: Option<Envelope>| {
+        let (mut id, mut channel) = env.map(|e| (e.id, e.channel)).unwrap_or_default();
+        if validate_id(&id).is_err() {
+            id.clear();
+        }
+        if validate_name(NameKind::Channel, &channel).is_err() {
+            channel.clear();
+        }
+        Box::new(Invalid { error, id, channel })
+    };
+    if rec.len() > limit {
+        let error = RecordError::TooLarge {
+            size: rec.len(),
+            limit,
+        };
+        return Err(invalid(error, Envelope::decode(rec).ok()));
+    }
+    let env = match Envelope::decode(rec) {
+        Ok(env) => env,
+        // A decode error may quote a value of any length: keep 200 characters.
+        Err(e) => {
+            let text: String = e.to_string().chars().take(200).collect();
+            return Err(invalid(RecordError::Unreadable(text), None));
+        }
+    };
+    let checked = validate_header(
+        &Header {
+            id: &env.id,
+            ts: &env.ts,
+            channel: &env.channel,
+            origin: &env.origin,
+            payload_type: &env.payload_type,
+            correlation_id: env.correlation_id.as_deref(),
+            service_name: env.service_name.as_deref(),
+        },
+        kind,
+    )
+    .and_then(|()| check_payload_depth(env.payload.get().as_bytes()));
+    match checked {
+        Ok(()) => Ok(env),
+        Err(e) => Err(invalid(e, Some(env))),
     }
 }
 

@@ -12,7 +12,10 @@
 //! The same handler points the inherited lock descriptors at `/dev/null`, so
 //! a child never keeps the parent's data-directory lock alive after the
 //! parent closes it (flock locks belong to the open file, which a child's
-//! inherited descriptor would otherwise share). Thread-local random
+//! inherited descriptor would otherwise share); while a lock is held, the
+//! parent's `fork()` returns only once the child has let go of its copy (a
+//! pipe the child closes), so there is no window in which a quick close and
+//! reopen by the parent finds its own lock still held. Thread-local random
 //! generators are reseeded in the child on their first use there (see
 //! [`reseed_rng_after_fork`]), so message ids stay unique across processes.
 
@@ -30,8 +33,59 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 const LOCK_SLOTS: usize = 64;
 static LOCK_FDS: [AtomicI32; LOCK_SLOTS] = [const { AtomicI32::new(-1) }; LOCK_SLOTS];
 
+thread_local! {
+    /// The pipe of the fork in progress on this thread (see `before_fork`):
+    /// (read end, write end), -1 when none.
+    static FORK_PIPE: Cell<(RawFd, RawFd)> = const { Cell::new((-1, -1)) };
+}
+
+fn locks_held() -> bool {
+    LOCK_FDS.iter().any(|s| s.load(Ordering::Acquire) >= 0)
+}
+
+/// Parent, before the fork: a pipe whose write end the child closes once its
+/// lock copies are gone.
+extern "C" fn before_fork() {
+    let mut fds = [-1; 2];
+    // SAFETY: pipe2 with a valid two-element array.
+    if locks_held() && unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        fds = [-1, -1];
+    }
+    FORK_PIPE.with(|p| p.set((fds[0], fds[1])));
+}
+
+/// Parent, after the fork: waits until the child closed its write end (or
+/// died), so the child holds none of our locks when `fork()` returns. The
+/// wait is bounded (1 s): a child forked at the same moment by another
+/// thread may hold a copy of the pipe too.
+extern "C" fn after_fork_in_parent() {
+    let (r, w) = FORK_PIPE.with(|p| p.replace((-1, -1)));
+    if r < 0 {
+        return;
+    }
+    // SAFETY: our own descriptors; poll on one valid pollfd.
+    unsafe {
+        libc::close(w);
+        let mut pfd = libc::pollfd {
+            fd: r,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let rc = libc::poll(&mut pfd, 1, left.as_millis() as libc::c_int);
+            if rc >= 0 || *libc::__errno_location() != libc::EINTR || left.is_zero() {
+                break;
+            }
+        }
+        libc::close(r);
+    }
+}
+
 extern "C" fn in_child() {
     GENERATION.fetch_add(1, Ordering::AcqRel);
+    let (pipe_r, pipe_w) = FORK_PIPE.with(|p| p.replace((-1, -1)));
     let mut devnull: RawFd = -1;
     for slot in &LOCK_FDS {
         let fd = slot.swap(-1, Ordering::AcqRel);
@@ -55,13 +109,26 @@ extern "C" fn in_child() {
         // SAFETY: our own descriptor.
         unsafe { libc::close(devnull) };
     }
+    for fd in [pipe_r, pipe_w] {
+        if fd >= 0 {
+            // SAFETY: this process's copies of the pipe: closing the write
+            // end lets the parent's fork() return.
+            unsafe { libc::close(fd) };
+        }
+    }
 }
 
 fn install() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         // SAFETY: registers a handler that only does async-signal-safe work.
-        let rc = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+        let rc = unsafe {
+            libc::pthread_atfork(
+                Some(before_fork),
+                Some(after_fork_in_parent),
+                Some(in_child),
+            )
+        };
         if rc != 0 {
             log::error!("pthread_atfork failed ({rc}): fork detection falls back to the PID");
         }

@@ -17,7 +17,7 @@ pub mod subscribe;
 
 pub use engine::{read_channel, Engine, Outgoing, Published};
 pub use envelope::{Envelope, NameError, NameKind};
-pub use storage::compaction::{CompactionReport, RetentionConfig};
+pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};
 pub use storage::{StorageError, StoreConfig};
 pub use subscribe::{BatchOutcome, Delivery, Failure, Handler, SubscribeOptions, Subscriber};
 
@@ -29,6 +29,9 @@ pub enum Error {
     InvalidName(#[from] NameError),
     #[error("message is {size} bytes encoded; the limit is {limit} bytes")]
     TooLarge { size: usize, limit: usize },
+    /// A record breaks the rules of a valid record (envelope.rs): nothing was written.
+    #[error(transparent)]
+    InvalidRecord(crate::envelope::RecordError),
     #[error("{0}")]
     Closed(String),
     #[error("{0}")]
@@ -55,6 +58,17 @@ pub enum Error {
     Timeout(String),
     #[error(transparent)]
     Storage(StorageError),
+}
+
+impl From<crate::envelope::RecordError> for Error {
+    fn from(e: crate::envelope::RecordError) -> Error {
+        match e {
+            crate::envelope::RecordError::TooLarge { size, limit } => {
+                Error::TooLarge { size, limit }
+            }
+            other => Error::InvalidRecord(other),
+        }
+    }
 }
 
 impl From<StorageError> for Error {

@@ -83,7 +83,8 @@ fn handshakes_and_acks_match_the_spec_bytes() {
     assert!(!h.ephemeral);
     assert_eq!(
         Ack {
-            last_id: "01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f".into()
+            last_id: "01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f".into(),
+            ..Ack::default()
         }
         .to_json(),
         r#"{"last_id":"01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f"}"#

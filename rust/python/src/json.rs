@@ -16,7 +16,9 @@ use keyop_core::envelope::push_json_str;
 
 use crate::errors::{new_err, Kind};
 
-const MAX_DEPTH: u32 = 200;
+/// Nesting of arrays and objects allowed in a payload: the engine's one
+/// definition (`keyop_core::envelope::MAX_PAYLOAD_DEPTH`).
+const MAX_DEPTH: u32 = keyop_core::envelope::MAX_PAYLOAD_DEPTH as u32;
 
 fn type_err(py: Python<'_>, msg: String) -> PyErr {
     new_err(py, Kind::PayloadType, msg)
@@ -30,10 +32,14 @@ pub fn write_json(
     depth: u32,
 ) -> PyResult<()> {
     let py = obj.py();
+    // `depth` counts the arrays and objects around `obj` (and `default`
+    // calls, which bounds a `default` that never returns plain data).
     if depth > MAX_DEPTH {
         return Err(type_err(
             py,
-            format!("payload is nested deeper than {MAX_DEPTH} levels (or contains a cycle)"),
+            format!(
+                "payload is nested deeper than {MAX_DEPTH} levels of arrays and objects (or contains a cycle); flatten it"
+            ),
         ));
     }
     if obj.is_none() {

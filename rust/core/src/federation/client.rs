@@ -3,7 +3,7 @@
 //! forwards locally published messages of the `publish` channels from a
 //! persisted cursor, and stores what the hub streams for `subscribe`.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,26 +19,13 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
 use super::link::{self, Inbound, OutChannel};
-use super::wire::{Handshake, CLOSE_NOT_ALLOWED};
+use super::status::LinkStatus;
+use super::wire::{Handshake, CLOSE_NOT_ALLOWED, FEATURE_REFUSALS};
 use super::{HubEndpoint, Shared, HANDSHAKE_TIMEOUT};
 use crate::audit::AuditEvent;
 use crate::envelope::{validate_name, NameKind};
 use crate::storage::offsets::{read_offset, write_offset};
 use crate::storage::LogReader;
-
-/// State of one client link, readable from any thread.
-#[derive(Debug, Default)]
-pub struct LinkStatus {
-    pub connected: AtomicBool,
-    /// Successful connections after the first.
-    pub reconnects: AtomicU64,
-    pub connects: AtomicU64,
-    pub failed_attempts: AtomicU64,
-    /// Bytes of the batch awaiting acknowledgement.
-    pub unacked_bytes: AtomicU64,
-    /// Batch send to acknowledgement.
-    pub rtt: crate::stats::Window,
-}
 
 /// A client link to one hub.
 pub struct ClientLink {
@@ -118,13 +105,15 @@ pub(crate) async fn connect_once(
     ep: &HubEndpoint,
     tls: Arc<ClientConfig>,
     ephemeral: bool,
-) -> Result<HubStream, DialError> {
+) -> Result<(HubStream, Handshake), DialError> {
     let host = host_of(&ep.addr).unwrap_or_default().to_owned();
     let server_name =
         ServerName::try_from(host).map_err(|e| DialError::Failed(format!("bad hub host: {e}")))?;
     let ws_cfg =
         WebSocketConfig::default().max_message_size(Some(link::max_message_size(max_batch_bytes)));
-    let hello = Handshake::client(name, ep.subscribe.clone(), ephemeral).to_json();
+    let hello = Handshake::client(name, ep.subscribe.clone(), ephemeral)
+        .with_refusals()
+        .to_json();
     let attempt = async {
         let tcp = TcpStream::connect(&ep.addr)
             .await
@@ -146,9 +135,9 @@ pub(crate) async fn connect_once(
             .map_err(|e| DialError::Failed(e.to_string()))?;
         match ws.next().await {
             Some(Ok(Message::Text(t))) => {
-                serde_json::from_str::<Handshake>(t.as_str())
+                let welcome = serde_json::from_str::<Handshake>(t.as_str())
                     .map_err(|e| DialError::Failed(format!("bad hub handshake: {e}")))?;
-                Ok(ws)
+                Ok((ws, welcome))
             }
             Some(Ok(Message::Close(Some(f)))) if u16::from(f.code) == CLOSE_NOT_ALLOWED => {
                 Err(DialError::Rejected)
@@ -167,9 +156,61 @@ pub(crate) async fn connect_once(
     }
 }
 
-fn open_channels(shared: &Shared, ep: &HubEndpoint) -> Result<Vec<OutChannel>, String> {
+/// Channels of `wanted` not in `allowed` (`None`: the hub did not restrict,
+/// or is a 1.4 hub that does not say).
+pub(crate) fn not_allowed(wanted: &[String], allowed: Option<&Vec<String>>) -> Vec<String> {
+    match allowed {
+        None => Vec::new(),
+        Some(a) => wanted.iter().filter(|c| !a.contains(c)).cloned().collect(),
+    }
+}
+
+/// Learns from the hub's handshake which configured channels it refuses:
+/// one warning and one audit record per channel, and the link status.
+fn note_handshake_refusals(
+    shared: &Shared,
+    ep: &HubEndpoint,
+    welcome: &Handshake,
+    status: &LinkStatus,
+) -> Vec<String> {
+    let publish = not_allowed(&ep.publish, welcome.publish_allowed.as_ref());
+    let subscribe = not_allowed(&ep.subscribe, welcome.subscribe_allowed.as_ref());
+    for channel in &publish {
+        log::warn!(
+            "client: hub {} refuses channel {channel:?} from this instance (not in its allowed publish list); it is not sent, and its messages stay here until the hub allows it",
+            ep.addr
+        );
+        let mut ev = AuditEvent::new("publish_refused");
+        ev.channel = channel.clone();
+        ev.direction = "outbound".into();
+        ev.peer = ep.addr.clone();
+        ev.detail = "reason=policy at=handshake".into();
+        shared.audit.log(ev);
+    }
+    for channel in &subscribe {
+        log::warn!(
+            "client: hub {} will not deliver channel {channel:?} to this instance (not in its allowed subscribe list)",
+            ep.addr
+        );
+        let mut ev = AuditEvent::new("subscribe_refused");
+        ev.channel = channel.clone();
+        ev.direction = "inbound".into();
+        ev.peer = ep.addr.clone();
+        ev.detail = "reason=policy at=handshake".into();
+        shared.audit.log(ev);
+    }
+    status.set_refused_channels(publish.clone(), subscribe);
+    publish
+}
+
+fn open_channels(
+    shared: &Shared,
+    ep: &HubEndpoint,
+    refused: &[String],
+) -> Result<Vec<OutChannel>, String> {
     let mut out = Vec::new();
-    for channel in &ep.publish {
+    // A refused channel keeps its cursor: sent once the hub allows it.
+    for channel in ep.publish.iter().filter(|c| !refused.contains(c)) {
         let writer = shared.store.writer(channel).map_err(|e| e.to_string())?;
         let path = shared.client_cursor(channel, &ep.addr);
         let end = writer.committed_end();
@@ -221,7 +262,7 @@ async fn dial_loop(
             r = connect_once(&shared.name, shared.link.max_batch_bytes, &ep, tls.clone(), false) => r,
         };
         match connected {
-            Ok(ws) => {
+            Ok((ws, welcome)) => {
                 attempt = 0;
                 delay = base;
                 if status.connects.fetch_add(1, Ordering::Relaxed) > 0 {
@@ -230,7 +271,8 @@ async fn dial_loop(
                 status.connected.store(true, Ordering::Release);
                 audit(&shared, "peer_connected", &ep.addr, String::new());
                 log::info!("client: connected to hub {}", ep.addr);
-                let ended = match open_channels(&shared, &ep) {
+                let refused = note_handshake_refusals(&shared, &ep, &welcome, &status);
+                let ended = match open_channels(&shared, &ep, &refused) {
                     Ok(out) => {
                         let inbound = Inbound {
                             allow: (!ep.subscribe.is_empty())
@@ -239,6 +281,8 @@ async fn dial_loop(
                             received: None,
                             link: Some(status.clone()),
                             dead_letters: true,
+                            channel_budget: None,
+                            report_refusals: welcome.has_feature(FEATURE_REFUSALS),
                         };
                         link::run(
                             shared.clone(),

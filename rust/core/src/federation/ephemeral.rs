@@ -1,4 +1,6 @@
 //! The ephemeral client: a hub client with no local storage.
+//! why this file is long: one client's whole life (connect, bounded publish with
+//! refusals, close, fork safety) around its one connection task.
 //!
 //! `publish` hands a batch to the connection task through a bounded queue
 //! (a full queue is an error the caller sees) and blocks until the hub
@@ -22,14 +24,20 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
-use super::client::{connect_once, jittered, DialError, HubStream, LinkStatus};
-use super::wire::{split_batch, Ack};
+use super::client::{connect_once, jittered, DialError, HubStream};
+use super::status::LinkStatus;
+use super::status::RefusalReason;
+use super::wire::{split_batch, Ack, Refused};
 use super::{
     runtime, tls, FedError, HubEndpoint, LinkSettings, TlsSettings, ACK_TIMEOUT, PING_INTERVAL,
     READ_TIMEOUT,
 };
-use crate::envelope::Envelope;
+use crate::envelope::{decode_valid, Envelope, NameKind, MAX_RECORD_BYTES};
+use crate::lograte::RateLimit;
 use crate::Error;
+
+/// Invalid records from the hub, logged at most once per interval.
+static INVALID_LOG: RateLimit = RateLimit::new(Duration::from_secs(10));
 
 /// Ids remembered per connection to drop duplicates (as in 1.4).
 const DEDUP_PER_CONNECTION: usize = 1024;
@@ -52,8 +60,12 @@ pub type ReceiveHandler = Arc<dyn Fn(Vec<Envelope>) + Send + Sync>;
 
 struct Pending {
     body: Vec<u8>,
-    /// Closed when the publisher stopped waiting (timeout): not sent then.
-    done: oneshot::Sender<Result<(), String>>,
+    /// Ids of the records in `body`, to match the hub's refusals.
+    ids: Vec<String>,
+    /// The records the hub refused (empty: all stored), or why the frame
+    /// failed. Closed when the publisher stopped waiting (timeout): the
+    /// publish is then not sent.
+    done: oneshot::Sender<Result<Vec<Refused>, String>>,
 }
 
 /// Slice of a bounded wait between two checks for an interruption.
@@ -92,6 +104,9 @@ struct Ctx {
     /// The connection is gone for good (no auto-reconnect, or closed).
     dead: AtomicBool,
     last_error: Mutex<String>,
+    /// The channels the hub allows us to publish, from its latest handshake
+    /// (`None`: unrestricted, or a 1.4 hub that does not say).
+    publish_allowed: Mutex<Option<Vec<String>>>,
 }
 
 /// A storage-less hub client.
@@ -132,6 +147,7 @@ impl EphemeralClient {
                 cancel: CancellationToken::new(),
                 dead: AtomicBool::new(false),
                 last_error: Mutex::new(String::new()),
+                publish_allowed: Mutex::new(None),
             }),
             queue: Mutex::new(Some(tx)),
             rx: Mutex::new(Some(rx)),
@@ -225,10 +241,29 @@ impl EphemeralClient {
         }
     }
 
-    /// Sends one frame body (length-prefixed records) and waits for the
-    /// hub's acknowledgement.
-    pub fn send(&self, body: Vec<u8>) -> Result<(), Error> {
-        self.send_within(body, ACK_TIMEOUT, &mut || false)
+    /// Whether the hub (by its latest handshake) accepts `channel` from us;
+    /// `Error::Policy` naming the channel and the hub if not.
+    pub fn check_publish(&self, channel: &str) -> Result<(), Error> {
+        let allowed = self
+            .ctx
+            .publish_allowed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match allowed.as_ref() {
+            Some(a) if !a.iter().any(|c| c == channel) => Err(Error::Policy(format!(
+                "hub {} refuses channel {channel:?} from {:?}: it is not in that peer's allowed publish list (hub.allowed_peers); nothing was sent",
+                self.ctx.cfg.hub.addr, self.ctx.cfg.name
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Sends one frame body (length-prefixed records of `channel` with
+    /// `ids`) and waits for the hub's acknowledgement. A channel the hub's
+    /// handshake refuses, or records its acknowledgement lists as refused,
+    /// give `Error::Policy` (nothing of a refused record was stored).
+    pub fn send(&self, channel: &str, ids: Vec<String>, body: Vec<u8>) -> Result<(), Error> {
+        self.send_within(channel, ids, body, ACK_TIMEOUT, &mut || false)
     }
 
     /// [`EphemeralClient::send`] waiting at most `timeout` for the
@@ -238,6 +273,8 @@ impl EphemeralClient {
     /// by the hub (at-least-once).
     pub fn send_within(
         &self,
+        channel: &str,
+        ids: Vec<String>,
         body: Vec<u8>,
         timeout: Duration,
         interrupted: &mut dyn FnMut() -> bool,
@@ -246,6 +283,7 @@ impl EphemeralClient {
         if self.ctx.dead.load(Ordering::Acquire) {
             return Err(self.lost());
         }
+        self.check_publish(channel)?;
         // A frame over the hub's WebSocket limit would cost the connection
         // (and every publish merged with it); refuse it here instead.
         let limit = super::link::max_message_size(self.ctx.cfg.federation.max_batch_bytes);
@@ -272,7 +310,8 @@ impl EphemeralClient {
             ));
         }
         let (done, wait) = oneshot::channel();
-        match tx.try_send(Pending { body, done }) {
+        let total = ids.len();
+        match tx.try_send(Pending { body, ids, done }) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
                 return Err(Error::BufferFull(format!(
@@ -284,7 +323,19 @@ impl EphemeralClient {
             Err(mpsc::error::TrySendError::Closed(_)) => return Err(self.lost()),
         }
         match wait_bounded(&self.rt, wait, timeout, interrupted) {
-            Ok(Some(Ok(Ok(())))) => Ok(()),
+            Ok(Some(Ok(Ok(refused)))) if refused.is_empty() => Ok(()),
+            Ok(Some(Ok(Ok(refused)))) => {
+                let first = &refused[0];
+                let reason = RefusalReason::parse(&first.reason);
+                Err(Error::Policy(format!(
+                    "hub {} refused {} of {total} messages on channel {channel:?} from {:?} ({}: {}); refused messages were not stored",
+                    self.ctx.cfg.hub.addr,
+                    refused.len(),
+                    self.ctx.cfg.name,
+                    reason.as_str(),
+                    reason.describe()
+                )))
+            }
             Ok(Some(Ok(Err(e)))) => Err(Error::ConnectionLost(format!(
                 "connection to hub {} lost before the acknowledgement: {e}",
                 self.ctx.cfg.hub.addr
@@ -369,8 +420,11 @@ async fn run(
             r = connect_once(&ctx.cfg.name, link.max_batch_bytes, &ctx.cfg.hub, ctx.tls.clone(), true) => r,
         };
         let why = match dialed {
-            Ok(ws) => {
+            Ok((ws, welcome)) => {
                 delay = base;
+                *ctx.publish_allowed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = welcome.publish_allowed.clone();
                 if ctx.status.connects.fetch_add(1, Ordering::Relaxed) > 0 {
                     ctx.status.reconnects.fetch_add(1, Ordering::Relaxed);
                 }
@@ -419,7 +473,7 @@ async fn run(
 async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) -> String {
     let (sink, mut stream) = ws.split();
     let sink = Arc::new(tokio::sync::Mutex::new(sink));
-    let (ack_tx, mut ack_rx) = mpsc::channel::<()>(4);
+    let (ack_tx, mut ack_rx) = mpsc::channel::<Ack>(4);
     let conn_cancel = ctx.cancel.child_token();
     // Received frames are handed to the handler and acknowledged, in order,
     // by their own task, so the reader keeps reading the acknowledgements of
@@ -437,7 +491,14 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
                 if let (Some(h), false) = (handler, fresh.is_empty()) {
                     let _ = tokio::task::spawn_blocking(move || h(fresh)).await;
                 }
-                let ack = Message::Text(Ack { last_id }.to_json().into());
+                let ack = Message::Text(
+                    Ack {
+                        last_id,
+                        ..Ack::default()
+                    }
+                    .to_json()
+                    .into(),
+                );
                 if sink.lock().await.send(ack).await.is_err() {
                     return;
                 }
@@ -468,8 +529,16 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
                         let mut fresh = Vec::new();
                         let mut last_id = String::new();
                         for rec in records {
-                            let Ok(env) = Envelope::decode(rec) else {
-                                continue;
+                            // The one definition of a valid record; an invalid
+                            // one is not handed to the application.
+                            let env = match decode_valid(rec, MAX_RECORD_BYTES, NameKind::Channel) {
+                                Ok(env) => env,
+                                Err(invalid) => {
+                                    if let Some(more) = INVALID_LOG.check() {
+                                        log::warn!("ephemeral client: skipped an invalid record from the hub: {} ({more} more since the last report)", invalid.error);
+                                    }
+                                    continue;
+                                }
                             };
                             if seen.put(env.id.clone(), ()).is_some() {
                                 continue;
@@ -481,8 +550,8 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
                             return "the connection is closing".to_owned();
                         }
                     }
-                    Message::Text(_) => {
-                        let _ = ack_tx.try_send(());
+                    Message::Text(text) => {
+                        let _ = ack_tx.try_send(Ack::parse(text.as_str()));
                     }
                     Message::Close(_) => return "hub closed the connection".to_owned(),
                     _ => {}
@@ -520,7 +589,7 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
         // limit: a publish that would take the frame past it waits for the
         // next one (a single publish larger than the limit goes alone).
         let mut body = first.body;
-        let mut waiting = vec![first.done];
+        let mut waiting = vec![(first.ids, first.done)];
         while let Ok(p) = rx.try_recv() {
             if p.done.is_closed() {
                 continue;
@@ -530,7 +599,7 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
                 break;
             }
             body.extend_from_slice(&p.body);
-            waiting.push(p.done);
+            waiting.push((p.ids, p.done));
         }
         ctx.status
             .unacked_bytes
@@ -538,7 +607,7 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
         let sent_at = std::time::Instant::now();
         if let Err(e) = sink.lock().await.send(Message::Binary(body.into())).await {
             let why = format!("cannot send: {e}");
-            for w in waiting {
+            for (_, w) in waiting {
                 let _ = w.send(Err(why.clone()));
             }
             break why;
@@ -547,21 +616,30 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
             r = &mut reader => Err(r.unwrap_or_else(|e| e.to_string())),
             _ = ctx.cancel.cancelled() => Err("closed".to_owned()),
             r = tokio::time::timeout(ACK_TIMEOUT, ack_rx.recv()) => match r {
-                Ok(Some(())) => Ok(()),
+                Ok(Some(ack)) => Ok(ack),
                 Ok(None) => Err("connection closed".to_owned()),
                 Err(_) => Err(format!("no acknowledgement within {}s", ACK_TIMEOUT.as_secs())),
             },
         };
         ctx.status.unacked_bytes.store(0, Ordering::Relaxed);
         match acked {
-            Ok(()) => {
+            Ok(ack) => {
                 ctx.status.rtt.record(sent_at.elapsed());
-                for w in waiting {
-                    let _ = w.send(Ok(()));
+                for (ids, w) in waiting {
+                    let mine: Vec<Refused> = ack
+                        .refused
+                        .iter()
+                        .filter(|r| ids.contains(&r.id))
+                        .cloned()
+                        .collect();
+                    for r in &mine {
+                        ctx.status.count_refused(&r.channel, 1);
+                    }
+                    let _ = w.send(Ok(mine));
                 }
             }
             Err(why) => {
-                for w in waiting {
+                for (_, w) in waiting {
                     let _ = w.send(Err(why.clone()));
                 }
                 break why;

@@ -20,7 +20,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
 use super::link::{self, Inbound, OutChannel};
-use super::wire::{Handshake, CLOSE_NOT_ALLOWED, CLOSE_NOT_ALLOWED_REASON};
+use super::wire::{Handshake, CLOSE_NOT_ALLOWED, CLOSE_NOT_ALLOWED_REASON, FEATURE_REFUSALS};
 use super::{tls, AllowedPeer, FedError, HubSettings, Shared, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS};
 use crate::audit::AuditEvent;
 use crate::envelope::{validate_name, NameKind, FED_CURSOR_PREFIX};
@@ -56,6 +56,8 @@ struct HubState {
     /// Connected ephemeral peers: name -> number of connections.
     ephemeral: Arc<Mutex<HashMap<String, usize>>>,
     next_conn: AtomicU64,
+    /// Channels each peer has created (its `max_channels` budget).
+    budgets: Mutex<HashMap<String, Arc<super::ChannelBudget>>>,
 }
 
 impl Hub {
@@ -87,6 +89,7 @@ impl Hub {
             peers: peers.clone(),
             ephemeral: ephemeral.clone(),
             next_conn: AtomicU64::new(1),
+            budgets: Mutex::new(HashMap::new()),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(state.clone(), listener))];
         if state.cfg.fed_client_offset_ttl_s >= 0.0 {
@@ -246,8 +249,17 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
         audit(&shared, "client_rejected", &peer, "", String::new());
         return;
     };
+    // A client that asked to hear of refusals (wire::FEATURE_REFUSALS) is
+    // told its allowlist now; a 1.4 client gets the 1.4 handshake.
+    let report_refusals = hello.has_feature(FEATURE_REFUSALS);
+    let mut welcome = Handshake::hub(&shared.name);
+    if report_refusals {
+        welcome.features = vec![FEATURE_REFUSALS.into()];
+        welcome.publish_allowed = (!entry.publish.is_empty()).then(|| entry.publish.clone());
+        welcome.subscribe_allowed = (!entry.subscribe.is_empty()).then(|| entry.subscribe.clone());
+    }
     if ws
-        .send(Message::Text(Handshake::hub(&shared.name).to_json().into()))
+        .send(Message::Text(welcome.to_json().into()))
         .await
         .is_err()
     {
@@ -308,6 +320,16 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
         received: Some(state.counters.records_received.clone()),
         link: None,
         dead_letters: false,
+        channel_budget: Some(
+            state
+                .budgets
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(peer.clone())
+                .or_insert_with(|| Arc::new(super::ChannelBudget::new(entry.max_channels)))
+                .clone(),
+        ),
+        report_refusals,
     };
     let ended = link::run(shared.clone(), ws, out, inbound, cancel).await;
     if hello.ephemeral {

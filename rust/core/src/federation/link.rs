@@ -17,10 +17,14 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
-use super::wire::{push_record, split_batch, Ack};
+use super::status::{LinkStatus, RefusalReason};
+use super::wire::{push_record, split_batch, Ack, Refused};
 use super::{Shared, ACK_TIMEOUT, PING_INTERVAL, READ_TIMEOUT};
 use crate::audit::AuditEvent;
-use crate::envelope::{validate_name, Envelope, NameKind, MAX_RECORD_BYTES};
+use crate::envelope::{
+    decode_valid, validate_name, Envelope, NameKind, RecordError, MAX_RECORD_BYTES,
+};
+use crate::lograte::RateLimit;
 use crate::storage::offsets::write_offset;
 use crate::storage::{ChannelWriter, Item, LogReader};
 
@@ -111,10 +115,16 @@ pub struct Inbound {
     /// Counts records stored from this peer (the hub's listener counter).
     pub received: Option<Arc<std::sync::atomic::AtomicU64>>,
     /// Round trips and unacknowledged bytes of our batches (client links).
-    pub link: Option<Arc<super::client::LinkStatus>>,
+    pub link: Option<Arc<LinkStatus>>,
     /// Accept records for `.dead-letter` channels (a client receiving what
     /// its hub streams; never a hub receiving from a client).
     pub dead_letters: bool,
+    /// New channels this peer may still create (hub side); `None`: no limit.
+    pub channel_budget: Option<Arc<super::ChannelBudget>>,
+    /// List refused records in acknowledgements (the peer announced
+    /// [`FEATURE_REFUSALS`](super::wire::FEATURE_REFUSALS); a 1.4 peer gets
+    /// plain acknowledgements).
+    pub report_refusals: bool,
 }
 
 /// Runs a connection until it fails, the peer goes away, or `cancel` fires.
@@ -131,7 +141,7 @@ where
 {
     let (sink, stream) = ws.split();
     let sink: Sink<S> = Arc::new(Mutex::new(sink));
-    let (ack_tx, ack_rx) = mpsc::channel::<()>(4);
+    let (ack_tx, ack_rx) = mpsc::channel::<Ack>(4);
     let sender = tokio::spawn(send_loop(
         shared.clone(),
         sink.clone(),
@@ -163,7 +173,7 @@ async fn read_loop<S>(
     mut stream: SplitStream<WebSocketStream<S>>,
     sink: &Sink<S>,
     inbound: &Inbound,
-    ack_tx: mpsc::Sender<()>,
+    ack_tx: mpsc::Sender<Ack>,
     cancel: &CancellationToken,
 ) -> Option<String>
 where
@@ -182,18 +192,18 @@ where
         };
         match msg {
             Message::Binary(body) => {
-                let last_id = match receive_batch(shared, inbound, &body).await {
-                    Ok(id) => id,
+                let ack = match receive_batch(shared, inbound, &body).await {
+                    Ok(ack) => ack,
                     Err(e) => return Some(e),
                 };
-                let ack = Message::Text(Ack { last_id }.to_json().into());
+                let ack = Message::Text(ack.to_json().into());
                 if let Err(e) = sink.lock().await.send(ack).await {
                     return Some(format!("cannot send acknowledgement: {e}"));
                 }
             }
-            Message::Text(_) => {
+            Message::Text(text) => {
                 // The acknowledgement of our outstanding batch; extra ones are dropped.
-                let _ = ack_tx.try_send(());
+                let _ = ack_tx.try_send(Ack::parse(text.as_str()));
             }
             Message::Close(_) => return Some("peer closed the connection".into()),
             _ => {}
@@ -201,66 +211,126 @@ where
     }
 }
 
-/// Stores a received batch: each record is parsed, deduplicated, checked
-/// against the policy and appended (one commit per channel per batch); ids
-/// are marked seen and audited only once committed. A failed append ends
-/// the connection without acknowledging, so the peer sends the batch again.
+/// Refusals logged at most once per interval (a hostile peer can send
+/// thousands a second); each one is audited.
+static REFUSAL_LOG: RateLimit = RateLimit::new(Duration::from_secs(10));
+
+/// Logs (rate-limited) and audits one refused record.
+fn refuse(shared: &Shared, inbound: &Inbound, refused: &Refused, why: &str) {
+    if let Some(more) = REFUSAL_LOG.check() {
+        log::warn!(
+            "{}: refused a record (id {:?}, channel {:?}): {}: {why} ({more} more refusals since the last report)",
+            inbound.peer,
+            refused.id,
+            refused.channel,
+            refused.reason,
+        );
+    }
+    let policy = refused.reason == RefusalReason::Policy.as_str();
+    let mut ev = AuditEvent::new(if policy {
+        "policy_violation"
+    } else {
+        "record_refused"
+    });
+    ev.message_id = refused.id.clone();
+    ev.channel = refused.channel.clone();
+    ev.direction = "inbound".into();
+    ev.peer = inbound.peer.clone();
+    if !policy {
+        ev.detail = format!("reason={} {why}", refused.reason);
+    }
+    shared.audit.log(ev);
+}
+
+/// Stores a received batch: each record is checked against the one
+/// definition of a valid record (envelope.rs: size, fields, depth),
+/// deduplicated, checked against the policy and appended (one commit per
+/// channel per batch); ids are marked seen and audited only once committed.
+/// Refused records are logged, audited and listed in the acknowledgement
+/// (for peers that asked, see [`Inbound::report_refusals`]); they are never
+/// acknowledged as stored. A failed append ends the connection without
+/// acknowledging, so the peer sends the batch again.
 async fn receive_batch(
     shared: &Arc<Shared>,
     inbound: &Inbound,
     body: &[u8],
-) -> Result<String, String> {
+) -> Result<Ack, String> {
     let records = split_batch(body).map_err(|e| e.to_string())?;
     let limit = shared.link.max_batch_bytes.max(MAX_RECORD_BYTES - 1);
-    let mut last_id = String::new();
+    let mut ack = Ack::default();
     let mut in_batch: HashSet<String> = HashSet::new();
     // Per channel, in order of first appearance: (channel, lines, ids).
     let mut groups: Vec<(String, Vec<u8>, Vec<String>)> = Vec::new();
     for rec in records {
-        if rec.len() > limit {
-            log::error!(
-                "{}: dropped a {}-byte record over the size limit",
-                inbound.peer,
-                rec.len()
-            );
-            continue;
-        }
-        let env = match Envelope::decode(rec) {
-            Ok(e) => e,
-            Err(e) => {
-                log::warn!("{}: skipped an unreadable record: {e}", inbound.peer);
+        let env = match decode_valid(rec, limit, NameKind::Channel) {
+            Ok(env) => env,
+            Err(invalid) => {
+                let reason = match invalid.error {
+                    RecordError::TooLarge { .. } => RefusalReason::TooLarge,
+                    _ => RefusalReason::Invalid,
+                };
+                let refused = Refused {
+                    id: invalid.id,
+                    channel: invalid.channel,
+                    reason: reason.as_str().into(),
+                };
+                refuse(shared, inbound, &refused, &invalid.error.to_string());
+                if !refused.id.is_empty() {
+                    ack.last_id = refused.id.clone();
+                }
+                ack.refused.push(refused);
                 continue;
             }
         };
-        if env.id.is_empty() || in_batch.contains(&env.id) || shared.seen.contains(&env.id) {
+        if in_batch.contains(&env.id) || shared.seen.contains(&env.id) {
             continue;
         }
         // Peers may not write dead letters into a hub: those are only made
         // by a subscriber on the instance that holds the channel.
-        let kind = if inbound.dead_letters {
-            NameKind::Channel
-        } else {
-            NameKind::PublishChannel
-        };
-        let allowed = validate_name(kind, &env.channel).is_ok()
+        let allowed = (inbound.dead_letters
+            || validate_name(NameKind::PublishChannel, &env.channel).is_ok())
             && inbound
                 .allow
                 .as_ref()
                 .is_none_or(|a| a.contains(&env.channel));
         if !allowed {
-            log::warn!(
-                "{}: policy violation: channel {:?} not allowed",
-                inbound.peer,
-                env.channel
+            let refused = Refused {
+                id: env.id.clone(),
+                channel: env.channel.clone(),
+                reason: RefusalReason::Policy.as_str().into(),
+            };
+            refuse(
+                shared,
+                inbound,
+                &refused,
+                "channel not allowed for this peer",
             );
-            let mut ev = AuditEvent::new("policy_violation");
-            ev.message_id = env.id.clone();
-            ev.channel = env.channel.clone();
-            ev.direction = "inbound".into();
-            ev.peer = inbound.peer.clone();
-            shared.audit.log(ev);
-            last_id = env.id;
+            ack.last_id = env.id;
+            ack.refused.push(refused);
             continue;
+        }
+        if let Some(budget) = &inbound.channel_budget {
+            let is_new = !groups.iter().any(|g| g.0 == env.channel)
+                && !shared
+                    .store
+                    .channel_dir(&env.channel)
+                    .is_ok_and(|d| d.is_dir());
+            if is_new && !budget.try_create(&env.channel) {
+                let refused = Refused {
+                    id: env.id.clone(),
+                    channel: env.channel.clone(),
+                    reason: RefusalReason::ChannelLimit.as_str().into(),
+                };
+                refuse(
+                    shared,
+                    inbound,
+                    &refused,
+                    "the peer's max_channels is reached",
+                );
+                ack.last_id = env.id;
+                ack.refused.push(refused);
+                continue;
+            }
         }
         // Store the received bytes verbatim unless they are not one line.
         let line = if rec.contains(&b'\n') || rec.contains(&b'\r') {
@@ -272,7 +342,7 @@ async fn receive_batch(
             l
         };
         in_batch.insert(env.id.clone());
-        last_id = env.id.clone();
+        ack.last_id = env.id.clone();
         match groups.iter_mut().find(|g| g.0 == env.channel) {
             Some(g) => {
                 g.1.extend_from_slice(&line);
@@ -305,33 +375,46 @@ async fn receive_batch(
     }
     // Every qualifying record is now refused or committed (a failed commit
     // returned above): acknowledge the last of them in batch order.
-    Ok(last_id)
+    if !inbound.report_refusals {
+        ack.refused.clear();
+    }
+    Ok(ack)
 }
 
 async fn send_loop<S>(
     shared: Arc<Shared>,
     sink: Sink<S>,
     mut chans: Vec<OutChannel>,
-    mut acks: mpsc::Receiver<()>,
+    mut acks: mpsc::Receiver<Ack>,
     cancel: CancellationToken,
     peer: String,
-    metrics: Option<Arc<super::client::LinkStatus>>,
+    metrics: Option<Arc<LinkStatus>>,
 ) -> Option<String>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let max_bytes = shared.link.max_batch_bytes.max(1);
+    // Channels already warned about on this connection (one warning each).
+    let mut warned: HashSet<String> = HashSet::new();
     let mut positions: Vec<u64> = chans.iter().map(|c| c.reader.position()).collect();
     loop {
         if cancel.is_cancelled() {
             return None;
         }
         let mut sent = false;
+        let mut read_failed = false;
         for (i, ch) in chans.iter_mut().enumerate() {
             let batch = match tokio::task::block_in_place(|| ch.read_batch(max_bytes)) {
                 Ok(b) => b,
                 Err(e) => {
-                    log::error!("channel {:?}: cannot read for federation: {e}", ch.channel);
+                    static READ_ERRORS: RateLimit = RateLimit::new(Duration::from_secs(10));
+                    if let Some(n) = READ_ERRORS.check() {
+                        log::error!(
+                            "channel {:?}: cannot read for federation: {e} ({n} more read errors since the last report)",
+                            ch.channel
+                        );
+                    }
+                    read_failed = true;
                     continue;
                 }
             };
@@ -358,14 +441,15 @@ where
                     cancel.cancel();
                     return Some(format!("cannot send a batch: {e}"));
                 }
-                tokio::select! {
+                let ack = tokio::select! {
                     _ = cancel.cancelled() => return None,
                     r = tokio::time::timeout(ACK_TIMEOUT, acks.recv()) => match r {
-                        Ok(Some(())) => {
+                        Ok(Some(ack)) => {
                             if let Some(m) = &metrics {
                                 m.rtt.record(sent_at.elapsed());
                                 m.unacked_bytes.store(0, Ordering::Relaxed);
                             }
+                            ack
                         }
                         Ok(None) => return None,
                         Err(_) => {
@@ -373,10 +457,29 @@ where
                             return Some(format!("no acknowledgement within {}s", ACK_TIMEOUT.as_secs()));
                         }
                     }
-                }
+                };
+                let forwarded: Vec<String> = if ack.refused.is_empty() {
+                    batch.ids
+                } else {
+                    note_refusals(
+                        &shared,
+                        &peer,
+                        &ch.channel,
+                        metrics.as_deref(),
+                        &ack.refused,
+                        &mut warned,
+                    );
+                    let refused: HashSet<&str> =
+                        ack.refused.iter().map(|r| r.id.as_str()).collect();
+                    batch
+                        .ids
+                        .into_iter()
+                        .filter(|id| !refused.contains(id.as_str()))
+                        .collect()
+                };
                 shared
                     .audit
-                    .log_forwards("outbound", &peer, &ch.channel, &batch.ids);
+                    .log_forwards("outbound", &peer, &ch.channel, &forwarded);
                 sent = true;
             }
             if batch.end != positions[i] {
@@ -389,6 +492,14 @@ where
             }
         }
         if sent {
+            continue;
+        }
+        if read_failed {
+            // Unread data makes the waits below return at once: pause instead.
+            tokio::select! {
+                _ = cancel.cancelled() => return None,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
             continue;
         }
         let waits: Vec<_> = chans
@@ -404,6 +515,45 @@ where
             _ = futures_util::future::select_all(waits) => {}
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
+    }
+}
+
+/// Our records the peer refused (listed in its acknowledgement): they stay
+/// in our channel files (nothing is deleted), are counted per channel,
+/// audited one by one (`publish_refused`) and logged with one warning per
+/// channel per connection. The cursor moves past them: resending the same
+/// bytes would be refused again.
+fn note_refusals(
+    shared: &Shared,
+    peer: &str,
+    sent_channel: &str,
+    status: Option<&LinkStatus>,
+    refused: &[Refused],
+    warned: &mut HashSet<String>,
+) {
+    for r in refused {
+        let channel = if r.channel.is_empty() {
+            sent_channel
+        } else {
+            r.channel.as_str()
+        };
+        if let Some(s) = status {
+            s.count_refused(channel, 1);
+        }
+        if warned.insert(channel.to_owned()) {
+            log::warn!(
+                "hub {peer} refused records of channel {channel:?} ({}: {}); they stay in this instance's channel files and are not forwarded",
+                r.reason,
+                RefusalReason::parse(&r.reason).describe()
+            );
+        }
+        let mut ev = AuditEvent::new("publish_refused");
+        ev.message_id = r.id.clone();
+        ev.channel = channel.to_owned();
+        ev.direction = "outbound".into();
+        ev.peer = peer.to_owned();
+        ev.detail = format!("reason={}", r.reason);
+        shared.audit.log(ev);
     }
 }
 

@@ -12,6 +12,7 @@ pub mod client;
 pub mod ephemeral;
 pub mod hub;
 pub mod link;
+pub mod status;
 pub mod tls;
 pub mod wire;
 
@@ -51,13 +52,67 @@ pub struct TlsSettings {
     pub expiry_warn_days: i64,
 }
 
+/// Channels a peer may create on a hub unless its entry says otherwise.
+pub const DEFAULT_MAX_CHANNELS: usize = 1024;
+
 /// One `hub.allowed_peers` entry.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
 pub struct AllowedPeer {
     pub name: String,
     pub subscribe: Vec<String>,
     pub publish: Vec<String>,
+    /// Most channels this peer's records may create on the hub (channels
+    /// that did not exist when its first record for them arrived), counted
+    /// since the hub started; further new channels are refused with reason
+    /// `channel_limit`. Default [`DEFAULT_MAX_CHANNELS`].
+    pub max_channels: usize,
+}
+
+impl Default for AllowedPeer {
+    fn default() -> Self {
+        AllowedPeer {
+            name: String::new(),
+            subscribe: Vec::new(),
+            publish: Vec::new(),
+            max_channels: DEFAULT_MAX_CHANNELS,
+        }
+    }
+}
+
+/// The channels one peer has created on a hub, shared by its connections.
+#[derive(Debug)]
+pub struct ChannelBudget {
+    limit: usize,
+    created: Mutex<std::collections::HashSet<String>>,
+}
+
+impl ChannelBudget {
+    /// A budget of `limit` new channels.
+    pub fn new(limit: usize) -> ChannelBudget {
+        ChannelBudget {
+            limit,
+            created: Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+
+    /// Whether the peer may create `channel` now; a yes is counted.
+    pub fn try_create(&self, channel: &str) -> bool {
+        let mut created = self.created.lock().unwrap_or_else(|e| e.into_inner());
+        if created.contains(channel) {
+            return true;
+        }
+        if created.len() >= self.limit {
+            return false;
+        }
+        created.insert(channel.to_owned());
+        true
+    }
+
+    /// Channels created so far.
+    pub fn created(&self) -> usize {
+        self.created.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
 }
 
 /// `hub` section.

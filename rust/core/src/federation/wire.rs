@@ -14,7 +14,17 @@ fn is_false(b: &bool) -> bool {
     !*b
 }
 
+/// Feature a client announces (handshake key `features`) to be told of
+/// refusals: the hub then lists the peer's allowed channels in its handshake
+/// and the refused records in its acknowledgements. Go 1.4 peers neither send
+/// nor read it (unknown keys are ignored), and a hub sends the extra keys
+/// only to a client that announced it, so a 1.4 client sees 1.4 bytes.
+pub const FEATURE_REFUSALS: &str = "refusals";
+
 /// The first text message of each side.
+///
+/// The 1.4 keys come first, in 1.4 order; `features`, `publish_allowed`
+/// and `subscribe_allowed` are extensions (omitted when empty).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Handshake {
     #[serde(default)]
@@ -29,6 +39,15 @@ pub struct Handshake {
     pub subscribe: Vec<String>,
     #[serde(default, skip_serializing_if = "is_false")]
     pub ephemeral: bool,
+    /// Extensions this side speaks ([`FEATURE_REFUSALS`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
+    /// Hub only: the channels this peer may publish; absent = unrestricted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publish_allowed: Option<Vec<String>>,
+    /// Hub only: the channels this peer may subscribe; absent = unrestricted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subscribe_allowed: Option<Vec<String>>,
 }
 
 impl Handshake {
@@ -58,19 +77,54 @@ impl Handshake {
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("handshake serialises")
     }
+
+    /// Whether this side announced `feature`.
+    pub fn has_feature(&self, feature: &str) -> bool {
+        self.features.iter().any(|f| f == feature)
+    }
+
+    /// A client handshake that also asks to be told of refusals.
+    pub fn with_refusals(mut self) -> Handshake {
+        self.features.push(FEATURE_REFUSALS.into());
+        self
+    }
 }
 
-/// The acknowledgement of one batch.
+/// One record the receiver refused (extension of the acknowledgement).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refused {
+    /// The record's id; empty when the id itself was invalid (never echoed).
+    #[serde(default)]
+    pub id: String,
+    /// The record's channel; empty when it was not a valid channel name.
+    #[serde(default)]
+    pub channel: String,
+    /// `policy`, `too_large`, `invalid` or `channel_limit`.
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// The acknowledgement of one batch: `last_id` keeps its 1.4 meaning
+/// (federation.md §7); `refused` is an extension sent only to peers that
+/// announced [`FEATURE_REFUSALS`] and omitted when empty.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ack {
     #[serde(default)]
     pub last_id: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<Refused>,
 }
 
 impl Ack {
-    /// As sent on the wire: `{"last_id":"..."}`.
+    /// As sent on the wire: `{"last_id":"..."}` (plus `refused` when any).
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("ack serialises")
+    }
+
+    /// Parses an acknowledgement; anything that is not one (1.4 counts any
+    /// text message as the acknowledgement) is an ack with nothing refused.
+    pub fn parse(text: &str) -> Ack {
+        serde_json::from_str(text).unwrap_or_default()
     }
 }
 
@@ -134,7 +188,7 @@ mod tests {
         );
         let h: Handshake = serde_json::from_str(r#"{"instance_name":"x","extra":1}"#).unwrap();
         assert_eq!(h.instance_name, "x");
-        assert_eq!(Ack { last_id: "".into() }.to_json(), r#"{"last_id":""}"#);
+        assert_eq!(Ack::default().to_json(), r#"{"last_id":""}"#);
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! with group commit, and readers.
 
 pub mod compaction;
+pub mod fdpool;
 pub mod offsets;
+pub mod quarantine;
 pub mod reader;
 pub mod segment;
 pub mod testhook;
@@ -84,6 +86,8 @@ struct Shared {
     writers: Mutex<HashMap<String, Arc<ChannelWriter>, foldhash::fast::RandomState>>,
     stop: Mutex<bool>,
     stop_cv: Condvar,
+    /// Descriptor-pool owner of this store's segment files.
+    owner: u64,
 }
 
 /// An open data directory: its layout, lock, and one writer per channel.
@@ -95,7 +99,7 @@ pub struct Store {
     /// Slot of the lock descriptor in [`crate::fork`]'s list: forked
     /// children let go of their copy at once (see [`crate::fork`]).
     lock_slot: Option<usize>,
-    owner: crate::fork::Owner,
+    process: crate::fork::Owner,
 }
 
 fn io_err(context: String) -> impl FnOnce(io::Error) -> StorageError {
@@ -110,6 +114,7 @@ impl Store {
     /// `subscribers/` and `audit/` directories, and takes its lock.
     pub fn open(cfg: StoreConfig) -> Result<Store, StorageError> {
         let root = &cfg.data_dir;
+        fdpool::pool().refresh_capacity();
         for sub in ["channels", "subscribers", "audit"] {
             let dir = root.join(sub);
             segment::create_dir_all(&dir)
@@ -121,7 +126,22 @@ impl Store {
             .truncate(false)
             .write(true)
             .open(&lock_path)
-            .map_err(io_err(format!("cannot open {}", lock_path.display())))?;
+            .map_err(|e| {
+                let read_only = e.raw_os_error() == Some(libc::EROFS)
+                    || e.kind() == io::ErrorKind::PermissionDenied;
+                let context = if read_only {
+                    format!(
+                        "data directory {} is not writable (cannot open its lock file {}); \
+                         a messenger needs to write there: make it writable, or read its \
+                         channels with keyop_messenger.read_channel",
+                        root.display(),
+                        lock_path.display()
+                    )
+                } else {
+                    format!("cannot open {}", lock_path.display())
+                };
+                io_err(context)(e)
+            })?;
         // SAFETY: flock on a descriptor we own; no memory is shared.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let e = io::Error::last_os_error();
@@ -147,6 +167,7 @@ impl Store {
             writers: Mutex::new(HashMap::default()),
             stop: Mutex::new(false),
             stop_cv: Condvar::new(),
+            owner: fdpool::pool().new_owner(),
         });
         let syncer = if shared.cfg.sync_interval_ms > 0 {
             let s = shared.clone();
@@ -164,7 +185,7 @@ impl Store {
             syncer: Mutex::new(syncer),
             lock_slot: crate::fork::register_lock_fd(lock.as_raw_fd()),
             lock: Mutex::new(Some(lock)),
-            owner: crate::fork::Owner::current(),
+            process: crate::fork::Owner::current(),
         })
     }
 
@@ -197,7 +218,12 @@ impl Store {
             segment_bytes: self.shared.cfg.segment_bytes,
             durable: self.shared.cfg.sync_interval_ms == 0,
         };
-        let w = Arc::new(ChannelWriter::open(channel, &dir, cfg)?);
+        let w = Arc::new(ChannelWriter::open_owned(
+            channel,
+            &dir,
+            cfg,
+            self.shared.owner,
+        )?);
         writers.insert(channel.to_owned(), w.clone());
         Ok(w)
     }
@@ -216,7 +242,7 @@ impl Store {
     /// the data directory lock. Idempotent. In a forked child it does
     /// nothing: the files, lock and timer thread are the parent's.
     pub fn close(&self) {
-        if self.owner.is_foreign() {
+        if self.process.is_foreign() {
             return;
         }
         *self.shared.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
@@ -227,17 +253,25 @@ impl Store {
         for w in self.writers() {
             w.close();
         }
+        // Segment files still held by readers of this store close now too.
+        fdpool::pool().close_owner(self.shared.owner);
         let lock = self.lock.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let (Some(slot), Some(file)) = (self.lock_slot, lock.as_ref()) {
             crate::fork::forget_lock_fd(slot, file.as_raw_fd());
         }
         drop(lock);
     }
+
+    /// A reader of the channel directory `dir` from global offset `pos`
+    /// whose files close when this store does.
+    pub fn reader(&self, dir: PathBuf, pos: u64) -> LogReader {
+        LogReader::owned(dir, pos, self.shared.owner)
+    }
 }
 
 impl Drop for Store {
     fn drop(&mut self) {
-        if self.owner.is_foreign() {
+        if self.process.is_foreign() {
             // The parent's fsync timer thread: not joined, not detached here.
             if let Some(t) = self
                 .syncer

@@ -1,0 +1,121 @@
+//! State of a client link, shared by the link machinery (`link.rs`), the
+//! durable client (`client.rs`) and the ephemeral client (`ephemeral.rs`),
+//! which all import it from here (no import circle between them).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::Mutex;
+
+/// Why a hub refused a record; the `reason` of a refusal on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RefusalReason {
+    /// The channel is not in the peer's allowlist.
+    Policy,
+    /// The record is larger than the receiver accepts.
+    TooLarge,
+    /// The record is not a valid envelope (envelope.rs rules).
+    Invalid,
+    /// The peer may not create more channels on the hub.
+    ChannelLimit,
+}
+
+impl RefusalReason {
+    /// The wire form: `policy`, `too_large`, `invalid`, `channel_limit`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalReason::Policy => "policy",
+            RefusalReason::TooLarge => "too_large",
+            RefusalReason::Invalid => "invalid",
+            RefusalReason::ChannelLimit => "channel_limit",
+        }
+    }
+
+    /// Parses the wire form; an unknown reason (a newer hub) is `Invalid`.
+    pub fn parse(s: &str) -> RefusalReason {
+        match s {
+            "policy" => RefusalReason::Policy,
+            "too_large" => RefusalReason::TooLarge,
+            "channel_limit" => RefusalReason::ChannelLimit,
+            _ => RefusalReason::Invalid,
+        }
+    }
+
+    /// Words for log lines and error messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            RefusalReason::Policy => "the channel is not in this peer's allowed publish list",
+            RefusalReason::TooLarge => "the record is over the hub's size limit",
+            RefusalReason::Invalid => "the record is not a valid envelope",
+            RefusalReason::ChannelLimit => "this peer may not create more channels on the hub",
+        }
+    }
+}
+
+/// State of one client link (durable or ephemeral), readable from any thread.
+#[derive(Debug, Default)]
+pub struct LinkStatus {
+    pub connected: AtomicBool,
+    /// Successful connections after the first.
+    pub reconnects: AtomicU64,
+    pub connects: AtomicU64,
+    pub failed_attempts: AtomicU64,
+    /// Bytes of the batch awaiting acknowledgement.
+    pub unacked_bytes: AtomicU64,
+    /// Batch send to acknowledgement.
+    pub rtt: crate::stats::Window,
+    /// Records the hub refused, per channel (kept on this instance's disk).
+    refused: Mutex<BTreeMap<String, u64>>,
+    /// Channels this instance is configured to publish that the hub's
+    /// handshake says it refuses (as of the latest connection); not sent.
+    refused_channels: Mutex<Vec<String>>,
+    /// Channels requested for subscription that the hub will not deliver.
+    refused_subscriptions: Mutex<Vec<String>>,
+}
+
+impl LinkStatus {
+    /// Counts `n` records of `channel` refused by the hub.
+    pub fn count_refused(&self, channel: &str, n: u64) {
+        *self
+            .refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(channel.to_owned())
+            .or_insert(0) += n;
+    }
+
+    /// Refused records per channel since start.
+    pub fn refused(&self) -> BTreeMap<String, u64> {
+        self.refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Records the channels refused at the latest handshake.
+    pub fn set_refused_channels(&self, publish: Vec<String>, subscribe: Vec<String>) {
+        *self
+            .refused_channels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = publish;
+        *self
+            .refused_subscriptions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = subscribe;
+    }
+
+    /// Publish channels the hub refuses (latest handshake).
+    pub fn refused_channels(&self) -> Vec<String> {
+        self.refused_channels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Subscribed channels the hub does not deliver (latest handshake).
+    pub fn refused_subscriptions(&self) -> Vec<String> {
+        self.refused_subscriptions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}

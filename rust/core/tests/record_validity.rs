@@ -1,0 +1,186 @@
+//! The one definition of a valid record (envelope.rs): ids, names, fields,
+//! payload depth and size, applied to received records and local publishes.
+
+use keyop_core::engine::{encode_message, Outgoing};
+use keyop_core::envelope::{
+    check_payload_depth, decode_valid, validate_field, validate_id, RecordError, MAX_FIELD_BYTES,
+    MAX_ID_BYTES, MAX_PAYLOAD_DEPTH, MAX_RECORD_BYTES,
+};
+use keyop_core::{Error, NameKind};
+
+fn nested(depth: usize) -> String {
+    format!("{}1{}", "[".repeat(depth), "]".repeat(depth))
+}
+
+fn record(id: &str, channel: &str, payload: &str) -> Vec<u8> {
+    format!(
+        r#"{{"v":1,"id":{},"ts":"2026-03-31T14:22:01Z","channel":{},"origin":"node1","payload_type":"t","payload":{payload}}}"#,
+        serde_json::to_string(id).unwrap(),
+        serde_json::to_string(channel).unwrap()
+    )
+    .into_bytes()
+}
+
+#[test]
+fn depth_limit_is_exact_and_ignores_brackets_in_strings() {
+    check_payload_depth(nested(MAX_PAYLOAD_DEPTH).as_bytes()).unwrap();
+    assert_eq!(
+        check_payload_depth(nested(MAX_PAYLOAD_DEPTH + 1).as_bytes()),
+        Err(RecordError::TooDeep)
+    );
+    let mixed = format!(
+        "{}{{\"k\":1}}{}",
+        "[{\"a\":".repeat(MAX_PAYLOAD_DEPTH / 2),
+        "}]".repeat(MAX_PAYLOAD_DEPTH / 2)
+    );
+    assert_eq!(
+        check_payload_depth(mixed.as_bytes()),
+        Err(RecordError::TooDeep)
+    );
+    // Brackets inside strings (with escaped quotes) do not count.
+    let text = format!(
+        "[\"{}\\\"{}\", {}]",
+        "[".repeat(500),
+        "{".repeat(500),
+        nested(MAX_PAYLOAD_DEPTH - 1)
+    );
+    check_payload_depth(text.as_bytes()).unwrap();
+    // Wide is fine; 100,000 deep is refused without recursion.
+    check_payload_depth(format!("[{}1]", "[1],".repeat(10_000)).as_bytes()).unwrap();
+    assert_eq!(
+        check_payload_depth(nested(100_000).as_bytes()),
+        Err(RecordError::TooDeep)
+    );
+}
+
+#[test]
+fn ids_follow_the_documented_rule() {
+    validate_id("01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f").unwrap();
+    validate_id("01ARZ3NDEKTSV4RRFFQ69G5FAV").unwrap();
+    validate_id("order:42_a.b").unwrap();
+    validate_id(&"a".repeat(MAX_ID_BYTES)).unwrap();
+    for bad in ["", "a b", "a/b", "é", "a\nb", &"a".repeat(MAX_ID_BYTES + 1)] {
+        assert!(validate_id(bad).is_err(), "{bad:?}");
+    }
+    let huge = "x".repeat(9 * 1024 * 1024);
+    let msg = validate_id(&huge).unwrap_err().to_string();
+    assert!(
+        msg.len() < 300,
+        "the message must not echo the id: {} bytes",
+        msg.len()
+    );
+}
+
+#[test]
+fn fields_are_bounded_and_free_of_control_characters() {
+    validate_field("origin", "").unwrap();
+    validate_field("origin", "host:8080").unwrap();
+    validate_field("service_name", "thermostat ✓").unwrap();
+    validate_field("origin", &"o".repeat(MAX_FIELD_BYTES)).unwrap();
+    assert!(validate_field("origin", &"o".repeat(MAX_FIELD_BYTES + 1)).is_err());
+    assert!(validate_field("correlation_id", "a\nforged line").is_err());
+    assert!(validate_field("payload_type", "a\u{7f}").is_err());
+}
+
+#[test]
+fn received_records_are_checked_and_never_echo_bad_values() {
+    let ok = record("01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f", "temps", "{}");
+    let env = decode_valid(&ok, MAX_RECORD_BYTES, NameKind::Channel).unwrap();
+    assert_eq!(env.channel, "temps");
+
+    let deep = record("id-1", "temps", &nested(100_000));
+    let bad = decode_valid(&deep, MAX_RECORD_BYTES, NameKind::Channel).unwrap_err();
+    assert_eq!(bad.error, RecordError::TooDeep);
+    assert_eq!((bad.id.as_str(), bad.channel.as_str()), ("id-1", "temps"));
+
+    let huge_id = "x".repeat(9 * 1024 * 1024);
+    let rec = record(&huge_id, "temps", "{}");
+    let bad = decode_valid(&rec, usize::MAX, NameKind::Channel).unwrap_err();
+    assert!(matches!(bad.error, RecordError::Field { field: "id", .. }));
+    assert_eq!(bad.id, "", "an invalid id is never kept");
+    assert!(bad.error.to_string().len() < 300);
+
+    let rec = record("id-2", "../etc", "{}");
+    let bad = decode_valid(&rec, MAX_RECORD_BYTES, NameKind::Channel).unwrap_err();
+    assert!(matches!(
+        bad.error,
+        RecordError::Field {
+            field: "channel",
+            ..
+        }
+    ));
+    assert_eq!((bad.id.as_str(), bad.channel.as_str()), ("id-2", ""));
+
+    let rec = record("id-3", "temps", "\"0123456789\"");
+    let bad = decode_valid(&rec, 50, NameKind::Channel).unwrap_err();
+    assert!(matches!(bad.error, RecordError::TooLarge { limit: 50, .. }));
+    assert_eq!(bad.id, "id-3");
+
+    let bad = decode_valid(b"{not json", MAX_RECORD_BYTES, NameKind::Channel).unwrap_err();
+    assert!(matches!(bad.error, RecordError::Unreadable(_)));
+    let long_ts = format!(
+        r#"{{"v":1,"id":"a","ts":"{}","channel":"c"}}"#,
+        "9".repeat(1_000_000)
+    );
+    let bad = decode_valid(long_ts.as_bytes(), MAX_RECORD_BYTES, NameKind::Channel).unwrap_err();
+    assert!(bad.error.to_string().len() < 300);
+}
+
+#[test]
+fn local_publish_refuses_invalid_records_before_writing() {
+    let deep = nested(MAX_PAYLOAD_DEPTH + 1);
+    let mut out = b"prefix".to_vec();
+    let m = Outgoing {
+        payload_type: "t",
+        payload_json: deep.as_bytes(),
+        service_name: None,
+        correlation_id: None,
+    };
+    let e = encode_message(&mut out, "node1", "temps", &m).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidRecord(RecordError::TooDeep)),
+        "{e}"
+    );
+    assert_eq!(out, b"prefix", "nothing appended");
+
+    let m = Outgoing {
+        correlation_id: Some("line\nbreak"),
+        payload_json: b"{}",
+        ..m
+    };
+    let e = encode_message(&mut out, "node1", "temps", &m).unwrap_err();
+    assert!(matches!(
+        e,
+        Error::InvalidRecord(RecordError::Field {
+            field: "correlation_id",
+            ..
+        })
+    ));
+    let ok = nested(MAX_PAYLOAD_DEPTH);
+    let m = Outgoing {
+        correlation_id: None,
+        payload_json: ok.as_bytes(),
+        ..m
+    };
+    encode_message(&mut out, "node1", "temps", &m).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let engine = keyop_core::Engine::open(
+        keyop_core::StoreConfig {
+            data_dir: dir.path().to_owned(),
+            sync_interval_ms: 0,
+            segment_bytes: 0,
+        },
+        "node1",
+    )
+    .unwrap();
+    let m = Outgoing {
+        payload_json: deep.as_bytes(),
+        ..m
+    };
+    assert!(matches!(
+        engine.publish("temps", &m),
+        Err(Error::InvalidRecord(RecordError::TooDeep))
+    ));
+    assert_eq!(engine.store().writer("temps").unwrap().committed_end(), 0);
+}
