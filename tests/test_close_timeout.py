@@ -163,8 +163,10 @@ def test_async_aclose_is_bounded(config: Config, caplog: pytest.LogCaptureFixtur
 
 
 STUCK_SCRIPT = """
-import sys, threading
+import logging, sys, threading
 from keyop_messenger import Config, Messenger
+
+logging.basicConfig(level=logging.WARNING)  # the warning naming the stuck handler
 
 mode = sys.argv[2]
 m = Messenger(Config.from_dict({"name": "n", "storage": {"data_dir": sys.argv[1]}}))

@@ -192,7 +192,12 @@ where
         };
         match msg {
             Message::Binary(body) => {
-                let ack = match receive_batch(shared, inbound, &body).await {
+                let received = receive_batch(shared, inbound, &body).await;
+                if body.len() >= crate::memtrim::LARGE_BYTES {
+                    drop(body);
+                    crate::memtrim::request();
+                }
+                let ack = match received {
                     Ok(ack) => ack,
                     Err(e) => return Some(e),
                 };
