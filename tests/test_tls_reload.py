@@ -191,4 +191,6 @@ def test_sighup_rotates_the_client_certificate(tmp_path: Path, pki: PKI) -> None
 def test_reload_tls_needs_federation(tmp_path: Path, pki: PKI) -> None:
     with Messenger(Config.from_dict({"storage": {"data_dir": str(tmp_path / "d")}})) as m:
         with pytest.raises(FederationError, match="not running"):
-            m.reload_tls(TLSConfig(**fed_helpers.tls_section(pki, "hub1")))
+            m.reload_tls(
+                TLSConfig(cert=str(pki["hub1"].cert), key=str(pki["hub1"].key), ca=str(pki.ca))
+            )

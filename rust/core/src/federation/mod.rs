@@ -335,7 +335,7 @@ impl Federation {
 
     /// Loads the `tls` files again, with the checks made at start (readable,
     /// within their validity dates, key private and unencrypted, key matching
-    /// the certificate, certificate chaining to the CA), and makes connections
+    /// the certificate), and makes connections
     /// accepted or dialed from now on use them; established connections keep
     /// theirs. Nothing is replaced unless everything loads: on an error the
     /// running TLS configuration stays.
