@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _core
 from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
-from .config import AllowedPeer, Config, load_config
+from .config import AllowedPeer, Config, TLSConfig, load_config
 from .context import _CONTEXT, resolve
 from .errors import send_batch, unicode_error
 from .message import LogEntry, entry_from_row
@@ -159,6 +159,15 @@ class Messenger(_core.MessengerBase, _SyncContext):
         are disconnected and reconnect under the new list; returns their names.
         Raises :class:`FederationError` when the hub is not enabled."""
         return self._engine.set_allowed_peers(json.dumps([dataclasses.asdict(p) for p in peers]))
+
+    def reload_tls(self, tls: TLSConfig) -> None:
+        """Loads the certificate, key and CA files of ``tls`` again (``keyop-messenger
+        run`` does it on SIGHUP), with the checks made at start: connections
+        accepted or dialed from now on use them, established ones stay up.
+        Rotate certificates by replacing the files and calling this. Raises
+        :class:`FederationError` naming the file when one does not load (the
+        running certificates stay) or when no hub or client is running."""
+        self._engine.reload_tls(json.dumps(dataclasses.asdict(tls)))
 
     def register_payload_type(self, name: str, cls: type) -> None:
         """Associates payload type ``name`` with ``cls`` (dataclass, pydantic

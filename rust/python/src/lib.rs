@@ -565,6 +565,21 @@ impl PyEngine {
         .py_err(py)
     }
 
+    /// Loads the `tls` files of `tls_json` (the `tls` section) again for new
+    /// connections; established ones keep theirs. Raises FederationError when
+    /// a file does not load (the running TLS stays) or no federation runs.
+    fn reload_tls(&self, py: Python<'_>, tls_json: &str) -> PyResult<()> {
+        let tls: keyop_core::federation::TlsSettings = serde_json::from_str(tls_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("tls: {e}")))?;
+        py.detach(|| {
+            self.engine
+                .with_federation(|f| f.reload_tls(&tls))
+                .ok_or_else(|| keyop_core::Error::Federation("federation is not running".into()))?
+                .map_err(|e| keyop_core::Error::Federation(e.to_string()))
+        })
+        .py_err(py)
+    }
+
     /// `(host, port)` the hub listens on, or None.
     #[getter]
     fn hub_address(&self, py: Python<'_>) -> PyResult<Option<(String, u16)>> {
