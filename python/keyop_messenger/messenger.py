@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from . import _core
-from ._closing import _SyncContext, refuse_when_closed
+from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
 from .config import AllowedPeer, Config, load_config
 from .context import _CONTEXT, resolve
 from .errors import ConfigError, send_batch, unicode_error
@@ -36,7 +36,9 @@ _MIB = 1024 * 1024
 RETENTION_INTERVAL_S = 30.0
 
 # Messengers still open at interpreter exit are closed first, so engine
-# threads never call into a finalising interpreter.
+# threads never call into a finalising interpreter. Each close waits at most
+# CLOSE_TIMEOUT_S for handlers still running, so exit never hangs on them;
+# in a forked child it releases nothing (the parent's messengers).
 _OPEN: weakref.WeakSet[Messenger] = weakref.WeakSet()
 
 
@@ -73,6 +75,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
         self._registry = PayloadRegistry()
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
         self._metrics: MetricsServer | None = None
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
         storage = config.storage
@@ -282,7 +285,11 @@ class Messenger(_core.MessengerBase, _SyncContext):
         over. If bytes after ``start_offset`` are gone (deleted by retention,
         a removed or truncated segment), raises :class:`DataLossError` naming
         the byte range, unless ``skip_gaps`` (then the gap is only logged and
-        counted in ``Stats.data_loss``)."""
+        counted in ``Stats.data_loss``).
+
+        Raises :class:`ChannelNotFoundError` (at the call, not at the first
+        ``next()``) if the channel does not exist; nothing is created."""
+        _check_limit(limit)
         try:
             if since is not None:
                 start_offset = self._engine.resolve_position(channel, *to_core(since, "since"))
@@ -292,7 +299,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
             rows = self._engine.read(channel, start_offset, skip_gaps=skip_gaps, until=end)
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel) from None
-        yield from _entries(rows, self._registry, limit)
+        return _entries(rows, self._registry, limit)
 
     def stream_end(self, channel: str) -> int:
         """The committed end of ``channel``: the offset the next record gets."""
@@ -306,19 +313,34 @@ class Messenger(_core.MessengerBase, _SyncContext):
         """Whether :meth:`close` was called."""
         return self._closed
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops every subscription (each persists its offset), then flushes
-        and closes every channel. Idempotent; safe to call from a handler."""
+        and closes every channel. Idempotent; safe to call from a handler.
+
+        Waits at most ``timeout`` seconds (default 10) for handlers still
+        running. A handler that has not returned by then is left running: a
+        WARNING names its subscriber and channel, and its message stays
+        unacknowledged (the offset does not move past it), so it is
+        delivered again next time; the channels are still flushed and
+        closed, and the data directory is released. Ctrl-C stops the waiting
+        (the close still finishes) and raises :class:`KeyboardInterrupt`.
+
+        In a process forked after this messenger was opened, ``close()``
+        releases nothing and touches no file (they are the parent's); every
+        other call there raises :class:`ForkedProcessError`.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         _OPEN.discard(self)
-        if self._metrics is not None:
-            self._metrics.close()
+        if os.getpid() != self._pid:
+            return
         for subscription in list(self._subscriptions):
             subscription._deliverer.stop()
-        self._engine.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        self._engine.close(timeout)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -387,7 +409,13 @@ def read_channel(
     passed over. Bytes gone after ``start_offset`` (0: the oldest record kept)
     raise :class:`DataLossError` naming the byte range, unless ``skip_gaps``.
     ``since``, ``until`` and ``limit`` are as in :meth:`Messenger.read_channel`
-    (a time is found by bisection, not by reading the whole channel)."""
+    (a time is found by bisection, not by reading the whole channel).
+
+    Raises (at the call, not at the first ``next()``)
+    :class:`DataDirNotFoundError` if ``data_dir`` does not exist and
+    :class:`ChannelNotFoundError` if the channel does not; it never creates
+    anything."""
+    _check_limit(limit)
     path = os.fspath(data_dir)
     try:
         if since is not None:
@@ -398,15 +426,19 @@ def read_channel(
         rows = _core.read_channel(path, channel, start_offset, skip_gaps=skip_gaps, until=end)
     except UnicodeEncodeError as exc:
         raise unicode_error(exc, channel=channel) from None
-    yield from _entries(rows, registry, limit)
+    return _entries(rows, registry, limit)
+
+
+def _check_limit(limit: int | None) -> None:
+    """Refuses a negative ``limit``."""
+    if limit is not None and limit < 0:
+        raise ConfigError(f"limit={limit} is negative; pass a count of 0 or more, or None")
 
 
 def _entries(
     rows: Iterable[Any], registry: PayloadRegistry | None, limit: int | None
 ) -> Iterator[LogEntry]:
     """Log entries of engine rows, at most ``limit`` of them."""
-    if limit is not None and limit < 0:
-        raise ConfigError(f"limit={limit} is negative; pass a count of 0 or more, or None")
     for n, row in enumerate(rows):
         if limit is not None and n >= limit:
             return

@@ -10,7 +10,7 @@ from .errors import ConfigError
 __all__ = ["Position"]
 
 Position = Literal["earliest", "latest"] | int | datetime.datetime
-"""Where to start in a channel: ``"earliest"`` (the oldest record kept),
+Position.__doc__ = """Where to start in a channel: ``"earliest"`` (the oldest record kept),
 ``"latest"`` (the current end: only records published later), an ``int``
 global byte offset that starts a record (a ``LogEntry.offset``, a
 ``Subscription.position`` or ``stream_end()``), or a timezone-aware
