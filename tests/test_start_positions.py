@@ -238,3 +238,19 @@ def test_async_subscribe_start_and_seek(tmp_path: Path) -> None:
         return seen
 
     assert asyncio.run(main()) == [0, 1, 2, 0, 1, 2]
+
+
+def test_seek_from_the_handler(messenger: Messenger) -> None:
+    """A seek made by the handler applies after its call: replaying once."""
+    publish(messenger, range(3))
+    c = Collector()
+    subs: list[Subscription] = []
+
+    def handler(msg: Message) -> None:
+        c(msg)
+        if msg.payload["n"] == 2 and len(c.seen) == 3:
+            subs[0].seek("earliest")
+
+    with messenger.subscribe(CH, "s", handler, start="earliest") as sub:
+        subs.append(sub)
+        assert barrier(messenger, c, 100) == [0, 1, 2, 0, 1, 2, 100]
