@@ -22,6 +22,7 @@ __all__ = [
     "read_channel",
     "read_stats",
     "reset_log_cache",
+    "resolve_position",
     "validate_channel",
     "validate_payload_type",
 ]
@@ -100,8 +101,14 @@ class Engine:
         default: Callable[[Any], Any] | None = None,
     ) -> list[str]: ...
     def stream_end(self, channel: str) -> int: ...
+    def resolve_position(self, channel: str, kind: str, value: int) -> int: ...
     def read(
-        self, channel: str, start_offset: int = 0, *, skip_gaps: bool = False
+        self,
+        channel: str,
+        start_offset: int = 0,
+        *,
+        skip_gaps: bool = False,
+        until: int | None = None,
     ) -> RecordIter: ...
     def subscribe(
         self,
@@ -114,6 +121,9 @@ class Engine:
         backoff_base_ms: int = 100,
         backoff_max_ms: int = 5000,
         on_gap: Callable[[int, int], object] | None = None,
+        start_kind: str = "latest",
+        start_value: int = 0,
+        reset: bool = False,
     ) -> Subscription: ...
     def unsubscribe(self, channel: str, subscriber_id: str) -> None: ...
     def start_retention(
@@ -164,6 +174,7 @@ class Subscription:
     def subscriber_id(self) -> str: ...
     @property
     def position(self) -> int: ...
+    def seek(self, kind: str, value: int) -> None: ...
     def close(self, timeout_s: float | None = None) -> bool: ...
 
 @final
@@ -186,8 +197,14 @@ class EphemeralClient:
 def validate_channel(name: str) -> None: ...
 def validate_payload_type(name: str) -> None: ...
 def read_channel(
-    data_dir: str | PathLike[str], channel: str, start_offset: int = 0, *, skip_gaps: bool = False
+    data_dir: str | PathLike[str],
+    channel: str,
+    start_offset: int = 0,
+    *,
+    skip_gaps: bool = False,
+    until: int | None = None,
 ) -> RecordIter: ...
+def resolve_position(data_dir: str | PathLike[str], channel: str, kind: str, value: int) -> int: ...
 def read_stats(data_dir: str | PathLike[str]) -> dict[str, Any]: ...
 def reset_log_cache() -> None: ...
 def loss_counts() -> dict[str, int]: ...

@@ -1,3 +1,5 @@
+# why this file is long: the async face of both messengers and of their subscriptions shares
+# one bridge from engine threads to the event loop and one worker pool.
 """asyncio face of :class:`Messenger` and :class:`EphemeralMessenger`.
 
 ::
@@ -67,8 +69,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._closing import CLOSE_TIMEOUT_S
 from .config import Config
-from .errors import ClosedError, ForkedProcessError
+from .errors import ClosedError, ForkedProcessError, SubscriptionError
 from .message import Message
+from .positions import Position
 
 if TYPE_CHECKING:
     from .ephemeral import EphemeralMessenger
@@ -430,6 +433,12 @@ class AsyncSubscription(_AsyncContext):
         """False once closed, or stopped because its event loop closed."""
         return not (self._closed or self._bridge.loop_gone)
 
+    async def seek(self, position: Position) -> None:
+        """As :meth:`Subscription.seek` (not for an ephemeral subscription)."""
+        if self._sync is None:
+            raise SubscriptionError("an ephemeral subscription has no position to seek")
+        await self._owner._run(self._sync.seek, position)
+
     def _stop_from_engine_thread(self) -> None:
         if self._sync is not None:
             self._sync.close()
@@ -503,6 +512,8 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         handler: AsyncHandler,
         *,
         on_gap: Callable[[str, str, int, int], Any] | None = None,
+        start: Position = "latest",
+        reset: bool = False,
     ) -> AsyncSubscription:
         """Delivers ``channel`` to the ``async def`` ``handler`` as subscriber
         ``subscriber_id``, on the running event loop.
@@ -513,10 +524,13 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         dead-letters. One message at a time per subscription, in order.
         ``on_gap`` (a plain function, called on an engine thread) is told of
         data gone before it was read, as with :meth:`Messenger.subscribe`.
+        ``start`` and ``reset`` choose where it starts, as there.
         """
         sync = self._require()
         bridge = self._bridge(handler, f"{channel}/{subscriber_id}")
-        core = await self._run(sync.subscribe, channel, subscriber_id, bridge, on_gap=on_gap)
+        core = await self._run(
+            sync.subscribe, channel, subscriber_id, bridge, on_gap=on_gap, start=start, reset=reset
+        )
         sub = AsyncSubscription(self, core, bridge, channel)
         bridge.subscription = sub
         return sub
