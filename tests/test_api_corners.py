@@ -127,6 +127,7 @@ ARGS: dict[str, Any] = {
     "timeout": 0.1,
     "peers": [],
     "position": "earliest",
+    "tls": None,
 }
 
 
