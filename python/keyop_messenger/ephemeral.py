@@ -188,6 +188,17 @@ class EphemeralMessenger(_SyncContext):
         and ``refused`` (records the hub refused, per channel)."""
         return self._client.status()
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Returns once everything published so far is acknowledged by the hub: no
+        publish (from any thread, including those waiting in the outbound
+        buffer while reconnecting) is waiting for the hub's answer.
+
+        Raises :class:`KeyopTimeoutError` after ``timeout`` seconds (None: wait
+        as long as it takes), naming per hub and channel how many records and
+        bytes are still pending. The GIL is released while waiting; Ctrl-C
+        interrupts it (``KeyboardInterrupt``)."""
+        self._client.flush(timeout)
+
     def close(self) -> None:
         """Closes the connection; publishes still waiting fail. Idempotent."""
         with self._lock:

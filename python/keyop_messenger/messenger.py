@@ -271,6 +271,22 @@ class Messenger(_core.MessengerBase, _SyncContext):
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel) from None
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Returns once everything published so far is committed locally
+        (fdatasynced, also with ``storage.sync_interval_ms > 0``) and
+        acknowledged by every hub it is forwarded to: each client link's
+        forwarding cursor has reached, for every channel it publishes to that
+        hub, the end the channel had when ``flush()`` was called. Channels a
+        hub's handshake refuses (``federation_status()``'s
+        ``refused_channels``) are not sent and not waited for; records a hub
+        refuses count as answered (see ``refused``).
+
+        Raises :class:`KeyopTimeoutError` after ``timeout`` seconds (None: wait
+        as long as it takes), naming per hub and channel how many records and
+        bytes are still pending. The GIL is released while waiting; Ctrl-C
+        interrupts it (``KeyboardInterrupt``)."""
+        self._engine.flush(timeout)
+
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""

@@ -420,6 +420,22 @@ impl Engine {
         Ok(())
     }
 
+    /// `flush()`: syncs every channel (relaxed mode), then returns what hub
+    /// links must still acknowledge (see `federation::flush`).
+    pub fn flush_start(&self) -> Result<Vec<crate::federation::flush::FlushTarget>, Error> {
+        self.check_open()?;
+        for w in self.store.writers() {
+            w.sync_committed()
+                .map_err(|e| crate::storage::StorageError::Io {
+                    context: format!("channel {:?}: fdatasync for flush", w.channel()),
+                    source: Arc::new(e),
+                })?;
+        }
+        Ok(self
+            .with_federation(|f| f.flush_targets())
+            .unwrap_or_default())
+    }
+
     /// Runs `f` on the running federation, if any.
     pub fn with_federation<T>(&self, f: impl FnOnce(&Federation) -> T) -> Option<T> {
         self.federation

@@ -652,6 +652,30 @@ impl PyEngine {
         Ok(d)
     }
 
+    /// Returns once everything published so far is committed locally
+    /// (relaxed mode: fdatasynced) and acknowledged by every hub it is
+    /// forwarded to; `Error::Timeout` naming what is pending after
+    /// `timeout_s` seconds (None: no limit). Ctrl-C interrupts the wait.
+    #[pyo3(signature = (timeout_s = None))]
+    fn flush(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<()> {
+        use keyop_core::federation::flush;
+        let mut targets = py.detach(|| self.engine.flush_start()).py_err(py)?;
+        let targets = Mutex::new(std::mem::take(&mut targets));
+        flush_loop(
+            py,
+            timeout_s,
+            |slice| {
+                let mut t = targets.lock().unwrap_or_else(|e| e.into_inner());
+                flush::wait_forwarded(&mut t, slice);
+                t.is_empty()
+            },
+            || {
+                let t = targets.lock().unwrap_or_else(|e| e.into_inner());
+                flush::describe(&flush::pending(&t))
+            },
+        )
+    }
+
     /// Test hook: simulates a power loss (unsynced bytes dropped, the first
     /// `torn` of them kept as a torn write) and closes the engine.
     #[pyo3(signature = (torn = 0))]
@@ -663,6 +687,38 @@ impl PyEngine {
     /// Flushes and closes every channel. Idempotent.
     fn close(&self, py: Python<'_>) {
         py.detach(|| self.engine.close());
+    }
+}
+
+/// Waits in slices of at most 100 ms with the GIL released, checking for
+/// signals (Ctrl-C) between slices, until `wait(slice)` says all is done or
+/// `timeout_s` (None: no limit) runs out; then `Error::Timeout` with
+/// `pending()` (what is still waiting).
+fn flush_loop(
+    py: Python<'_>,
+    timeout_s: Option<f64>,
+    mut wait: impl FnMut(Duration) -> bool + Send,
+    pending: impl FnOnce() -> String + Send,
+) -> PyResult<()> {
+    let started = std::time::Instant::now();
+    let limit = timeout_s.map(|t| Duration::from_secs_f64(t.max(0.0)));
+    loop {
+        let slice = limit.map_or(Duration::from_millis(100), |l| {
+            l.saturating_sub(started.elapsed())
+                .min(Duration::from_millis(100))
+        });
+        if py.detach(|| wait(slice)) {
+            return Ok(());
+        }
+        py.check_signals()?;
+        if let Some(l) = limit.filter(|l| started.elapsed() >= *l) {
+            let what = py.detach(pending);
+            return Err(keyop_core::Error::Timeout(format!(
+                "flush: not committed and acknowledged within {:.1}s: {what}",
+                l.as_secs_f64()
+            )))
+            .py_err(py);
+        }
     }
 }
 
@@ -910,6 +966,19 @@ impl EphemeralClient {
         d.set_item("failed_attempts", s.failed_attempts.load(Relaxed))?;
         d.set_item("unacked_bytes", self.client.unacked_bytes())?;
         Ok(d)
+    }
+
+    /// Returns once no publish is waiting for the hub's answer;
+    /// `Error::Timeout` naming what is in flight after `timeout_s` seconds
+    /// (None: no limit). Ctrl-C interrupts the wait.
+    #[pyo3(signature = (timeout_s = None))]
+    fn flush(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<()> {
+        flush_loop(
+            py,
+            timeout_s,
+            |slice| self.client.wait_idle(slice).is_empty(),
+            || keyop_core::federation::flush::describe(&self.client.in_flight()),
+        )
     }
 
     /// Closes the connection; pending publishes fail. Idempotent.

@@ -30,6 +30,7 @@ use crate::storage::LogReader;
 /// A client link to one hub.
 pub struct ClientLink {
     addr: String,
+    publish: Vec<String>,
     status: Arc<LinkStatus>,
 }
 
@@ -63,6 +64,7 @@ impl ClientLink {
         Ok((
             ClientLink {
                 addr: ep.addr,
+                publish: ep.publish,
                 status,
             },
             task,
@@ -72,6 +74,11 @@ impl ClientLink {
     /// The hub address dialed.
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// Channels forwarded to this hub.
+    pub fn publish(&self) -> &[String] {
+        &self.publish
     }
 
     /// Connection state and counters.

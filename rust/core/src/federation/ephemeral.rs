@@ -76,6 +76,8 @@ struct Ctx {
     /// The channels the hub allows us to publish, from its latest handshake
     /// (`None`: unrestricted, or a 1.4 hub that does not say).
     publish_allowed: Mutex<Option<Vec<String>>>,
+    /// Publishes not yet answered by the hub: channel -> (records, bytes).
+    in_flight: super::flush::InFlightMap,
 }
 
 /// A storage-less hub client.
@@ -115,6 +117,7 @@ impl EphemeralClient {
                 dead: AtomicBool::new(false),
                 last_error: Mutex::new(String::new()),
                 publish_allowed: Mutex::new(None),
+                in_flight: Mutex::new(Default::default()),
             }),
             queue: Mutex::new(Some(tx)),
             rx: Mutex::new(Some(rx)),
@@ -239,6 +242,8 @@ impl EphemeralClient {
         }
         let (done, wait) = oneshot::channel();
         let total = ids.len();
+        let _in_flight =
+            super::flush::InFlight::new(&self.ctx.in_flight, channel, total, body.len());
         match tx.try_send(Pending { body, ids, done }) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
@@ -270,6 +275,17 @@ impl EphemeralClient {
             ))),
             Err(_) => Err(self.lost()),
         }
+    }
+
+    /// Publishes not yet answered by the hub, per channel.
+    pub fn in_flight(&self) -> Vec<super::flush::PendingForward> {
+        super::flush::in_flight(&self.ctx.in_flight, &self.ctx.cfg.hub.addr)
+    }
+
+    /// Waits up to `wait` for every publish in flight to be answered;
+    /// returns those still waiting (empty: none in flight).
+    pub fn wait_idle(&self, wait: Duration) -> Vec<super::flush::PendingForward> {
+        super::flush::wait_idle(&self.ctx.in_flight, &self.ctx.cfg.hub.addr, wait)
     }
 
     /// Stops the connection; pending publishes fail. Idempotent.

@@ -11,6 +11,7 @@
 pub mod client;
 pub mod conns;
 pub mod ephemeral;
+pub mod flush;
 pub mod hub;
 pub mod link;
 pub mod status;
@@ -345,6 +346,12 @@ impl Federation {
     /// Client links, one per configured hub.
     pub fn clients(&self) -> &[client::ClientLink] {
         &self.clients
+    }
+
+    /// What `flush()` waits for: every (hub, channel) this instance forwards,
+    /// with the channel's committed end as of now.
+    pub fn flush_targets(&self) -> Vec<flush::FlushTarget> {
+        flush::targets(&self.shared, &self.clients)
     }
 
     /// Stops every task and closes every connection (bounded wait), then the audit log.
