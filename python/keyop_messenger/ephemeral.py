@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _core
+from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import _SyncContext, refuse_when_closed
 from .config import Config, load_config
 from .context import resolve
@@ -48,7 +49,8 @@ class EphemeralMessenger(_SyncContext):
     :class:`BufferFullError`.
 
     ``config`` is a :class:`Config`, a mapping in the YAML shape or the path
-    of a YAML file. After ``close()`` every method but ``close()`` raises
+    of a YAML file. ``on_connect``, ``on_disconnect`` and ``on_refused`` are
+    as for :class:`Messenger`. After ``close()`` every method but ``close()`` raises
     :class:`ClosedError`.
     """
 
@@ -57,6 +59,9 @@ class EphemeralMessenger(_SyncContext):
         config: Config | Mapping[str, Any] | str | os.PathLike[str],
         *,
         auto_reconnect: bool = False,
+        on_connect: OnConnect | None = None,
+        on_disconnect: OnDisconnect | None = None,
+        on_refused: OnRefused | None = None,
     ) -> None:
         if isinstance(config, Mapping):
             config = Config.from_dict(config)
@@ -95,7 +100,9 @@ class EphemeralMessenger(_SyncContext):
             "auto_reconnect": auto_reconnect,
             "buffer_messages": config.federation.send_buffer_messages,
         }
-        self._client = _core.EphemeralClient(json.dumps(settings))
+        self._client = _core.EphemeralClient(
+            json.dumps(settings), dispatcher(on_connect, on_disconnect, on_refused)
+        )
         self._client.set_handler(self._dispatch)
 
     @property

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from . import _core
+from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import _SyncContext, refuse_when_closed
 from .config import AllowedPeer, Config, load_config
 from .context import _CONTEXT, resolve
@@ -60,9 +61,21 @@ class Messenger(_core.MessengerBase, _SyncContext):
 
     ``config`` is a :class:`Config`, a mapping in the YAML shape (built with
     :meth:`Config.from_dict`) or the path of a YAML file.
+
+    Client links report to the optional callbacks ``on_connect(hub)``,
+    ``on_disconnect(hub, reason)`` and ``on_refused(hub, channel, count)``
+    (``hub`` is the configured ``host:port``). They run on one engine thread,
+    with the GIL, in event order; an exception in one is logged and ignored.
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        config: Config | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        on_connect: OnConnect | None = None,
+        on_disconnect: OnDisconnect | None = None,
+        on_refused: OnRefused | None = None,
+    ) -> None:
         if isinstance(config, Mapping):
             config = Config.from_dict(config)
         elif not isinstance(config, Config):
@@ -89,7 +102,10 @@ class Messenger(_core.MessengerBase, _SyncContext):
         _OPEN.add(self)
         if config.hub.enabled or config.client.enabled:
             try:
-                self._engine.start_federation(json.dumps(_federation_settings(config)))
+                self._engine.start_federation(
+                    json.dumps(_federation_settings(config)),
+                    dispatcher(on_connect, on_disconnect, on_refused),
+                )
             except BaseException:
                 self.close()
                 raise

@@ -508,9 +508,18 @@ impl PyEngine {
 
     /// Starts the hub and/or client links from a JSON document with the
     /// fields of `keyop_core::federation::FedConfig`.
-    fn start_federation(&self, py: Python<'_>, settings_json: &str) -> PyResult<()> {
-        let cfg: keyop_core::federation::FedConfig = serde_json::from_str(settings_json)
+    /// `events(kind, hub, detail, count)` is called on a dedicated thread
+    /// for every client link event (see `link_events`).
+    #[pyo3(signature = (settings_json, events = None))]
+    fn start_federation(
+        &self,
+        py: Python<'_>,
+        settings_json: &str,
+        events: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let mut cfg: keyop_core::federation::FedConfig = serde_json::from_str(settings_json)
             .map_err(|e| new_err(py, Kind::Config, format!("federation settings: {e}")))?;
+        cfg.events = events.map(link_events);
         py.detach(|| self.engine.start_federation(cfg)).py_err(py)
     }
 
@@ -722,6 +731,39 @@ fn flush_loop(
     }
 }
 
+/// A sink for link events and the thread that hands them to Python as
+/// `events(kind, hub, detail, count)`: `("connect", hub, "", 0)`,
+/// `("disconnect", hub, reason, 0)`, `("refused", hub, channel, count)`.
+/// The thread ends once the links (every sink clone) are gone.
+fn link_events(events: Py<PyAny>) -> keyop_core::federation::status::EventSink {
+    use keyop_core::federation::status::{EventSink, LinkEvent};
+    let (sink, rx) = EventSink::new(1024);
+    let spawned = std::thread::Builder::new()
+        .name("keyop-events".into())
+        .spawn(move || {
+            for ev in rx {
+                let args = match ev {
+                    LinkEvent::Connected { hub } => ("connect", hub, String::new(), 0),
+                    LinkEvent::Disconnected { hub, reason } => ("disconnect", hub, reason, 0),
+                    LinkEvent::Refused {
+                        hub,
+                        channel,
+                        count,
+                    } => ("refused", hub, channel, count),
+                };
+                Python::attach(|py| {
+                    if let Err(err) = events.call1(py, args) {
+                        err.print(py);
+                    }
+                });
+            }
+        });
+    if let Err(e) = spawned {
+        log::error!("cannot start the link event thread: {e}; callbacks will not be called");
+    }
+    sink
+}
+
 /// Per-channel retention limits: channel -> `(max_age_ms, max_bytes)`.
 type ChannelLimits = std::collections::HashMap<String, (Option<u64>, Option<u64>)>;
 
@@ -868,9 +910,11 @@ impl EphemeralClient {
     /// Loads TLS and checks the settings (JSON with the fields of
     /// `EphemeralConfig`); does not dial.
     #[new]
-    fn new(py: Python<'_>, settings_json: &str) -> PyResult<Self> {
-        let cfg: EphemeralConfig = serde_json::from_str(settings_json)
+    #[pyo3(signature = (settings_json, events = None))]
+    fn new(py: Python<'_>, settings_json: &str, events: Option<Py<PyAny>>) -> PyResult<Self> {
+        let mut cfg: EphemeralConfig = serde_json::from_str(settings_json)
             .map_err(|e| new_err(py, Kind::Config, format!("ephemeral settings: {e}")))?;
+        cfg.events = events.map(link_events);
         let origin = cfg.name.clone();
         let client = py
             .detach(|| EphemeralCore::new(cfg))

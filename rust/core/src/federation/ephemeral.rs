@@ -23,8 +23,8 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
 use super::client::{connect_once, jittered, DialError, HubStream};
-use super::status::LinkStatus;
 use super::status::RefusalReason;
+use super::status::{LinkEvent, LinkStatus};
 use super::wire::{split_batch, Ack, Refused};
 use super::{
     runtime, tls, FedError, HubEndpoint, LinkSettings, TlsSettings, ACK_TIMEOUT, PING_INTERVAL,
@@ -51,6 +51,9 @@ pub struct EphemeralConfig {
     pub auto_reconnect: bool,
     /// Capacity of the outbound queue, in publish calls.
     pub buffer_messages: usize,
+    /// Receives connection and refusal events.
+    #[serde(skip)]
+    pub events: Option<super::status::EventSink>,
 }
 
 /// Receives every message the hub streams, one frame at a time.
@@ -106,13 +109,14 @@ impl EphemeralClient {
             .client_config()
             .map_err(|e| FedError::Tls(e.to_string()))?;
         let (tx, rx) = mpsc::channel(cfg.buffer_messages.max(1));
+        let events = cfg.events.clone();
         Ok(EphemeralClient {
             rt: runtime()?,
             ctx: Arc::new(Ctx {
                 cfg,
                 tls: client_tls,
                 handler: Mutex::new(None),
-                status: Arc::new(LinkStatus::default()),
+                status: Arc::new(LinkStatus::with_events(events)),
                 cancel: CancellationToken::new(),
                 dead: AtomicBool::new(false),
                 last_error: Mutex::new(String::new()),
@@ -345,11 +349,17 @@ async fn run(
                     ctx.status.reconnects.fetch_add(1, Ordering::Relaxed);
                 }
                 ctx.status.connected.store(true, Ordering::Release);
+                let hub = ctx.cfg.hub.addr.clone();
+                ctx.status.emit(LinkEvent::Connected { hub: hub.clone() });
                 if let Some(r) = ready.take() {
                     let _ = r.send(Ok(()));
                 }
                 let why = serve(&ctx, ws, &mut rx).await;
                 ctx.status.connected.store(false, Ordering::Release);
+                if !ctx.cancel.is_cancelled() {
+                    let reason = why.clone();
+                    ctx.status.emit(LinkEvent::Disconnected { hub, reason });
+                }
                 why
             }
             Err(e) => {
@@ -544,8 +554,17 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
                         .filter(|r| ids.contains(&r.id))
                         .cloned()
                         .collect();
+                    let mut counts: std::collections::BTreeMap<&str, u64> = Default::default();
                     for r in &mine {
                         ctx.status.count_refused(&r.channel, 1);
+                        *counts.entry(r.channel.as_str()).or_insert(0) += 1;
+                    }
+                    for (channel, count) in counts {
+                        ctx.status.emit(LinkEvent::Refused {
+                            hub: ctx.cfg.hub.addr.clone(),
+                            channel: channel.to_owned(),
+                            count,
+                        });
                     }
                     let _ = w.send(Ok(mine));
                 }

@@ -178,6 +178,9 @@ pub struct FedConfig {
     pub seen_id_lru_size: usize,
     pub audit_max_size_mb: u64,
     pub audit_max_files: u32,
+    /// Receives the client links' connection and refusal events.
+    #[serde(skip)]
+    pub events: Option<status::EventSink>,
 }
 
 /// Liveness settings (not configurable in 1.4; fixed here).
@@ -226,6 +229,8 @@ pub struct Shared {
     pub audit: Arc<AuditLog>,
     pub link: LinkSettings,
     pub cancel: CancellationToken,
+    /// Client links' events for the application (see [`status::LinkEvent`]).
+    pub events: Option<status::EventSink>,
 }
 
 impl Shared {
@@ -299,6 +304,7 @@ impl Federation {
             audit: Arc::new(audit),
             link: cfg.federation.clone(),
             cancel: CancellationToken::new(),
+            events: cfg.events.clone(),
         });
         let mut fed = Federation {
             rt: rt.clone(),
