@@ -420,17 +420,10 @@ impl Engine {
         Ok(())
     }
 
-    /// `flush()`: syncs every channel (relaxed mode), then returns what hub
-    /// links must still acknowledge (see `federation::flush`).
+    /// `flush()`: syncs every channel; returns what hubs must still acknowledge.
     pub fn flush_start(&self) -> Result<Vec<crate::federation::flush::FlushTarget>, Error> {
         self.check_open()?;
-        for w in self.store.writers() {
-            w.sync_committed()
-                .map_err(|e| crate::storage::StorageError::Io {
-                    context: format!("channel {:?}: fdatasync for flush", w.channel()),
-                    source: Arc::new(e),
-                })?;
-        }
+        crate::federation::flush::sync_all(&self.store)?;
         Ok(self
             .with_federation(|f| f.flush_targets())
             .unwrap_or_default())

@@ -65,6 +65,19 @@ impl FlushTarget {
     }
 }
 
+/// Makes every open channel's committed records durable (relaxed mode:
+/// fdatasync now); the first failure is returned.
+pub fn sync_all(store: &crate::storage::Store) -> Result<(), crate::Error> {
+    for w in store.writers() {
+        w.sync_committed()
+            .map_err(|e| crate::storage::StorageError::Io {
+                context: format!("channel {:?}: fdatasync for flush", w.channel()),
+                source: Arc::new(e),
+            })?;
+    }
+    Ok(())
+}
+
 /// The (hub, channel) pairs with something to forward, as of now. Channels
 /// the hub's latest handshake refuses are left out: they are not sent until
 /// the hub allows them (see `federation_status()`'s `refused_channels`).
