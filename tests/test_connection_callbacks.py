@@ -1,13 +1,14 @@
-"""``on_connect(hub)``, ``on_disconnect(hub, reason)`` and
-``on_refused(hub, channel, count)`` of Messenger and EphemeralMessenger
-(client API issue, item 4): called from an engine thread, in order, and an
-exception in one is logged and swallowed. Real hubs on 127.0.0.1 with the
+"""``federation_status()`` as typed objects, and ``on_connect(hub)``,
+``on_disconnect(hub, reason)`` and ``on_refused(hub, channel, count)`` of
+Messenger and EphemeralMessenger (client API issue, item 4), which are
+called from an engine thread, in order; an exception in one is logged and
+swallowed. Real hubs on 127.0.0.1 with the
 session PKI of fed_helpers.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,14 @@ from fed_helpers import (
     stored_ids,
     wait_until,
 )
-from keyop_messenger import EphemeralMessenger, Messenger, PolicyError
+from keyop_messenger import (
+    EphemeralMessenger,
+    FederationStatus,
+    HubLinkStatus,
+    HubStatus,
+    Messenger,
+    PolicyError,
+)
 
 pki = fed_helpers.pki
 start = fed_helpers.start
@@ -71,7 +79,6 @@ class Events:
 def test_connect_and_disconnect_callbacks_and_a_raising_callback(
     pki: PKI, tmp_path: Path, start: Starter, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="keyop_messenger")
     hub_dir = tmp_path / "hub"
     hub = start(hub_config(pki, hub_dir, [peer("node1", publish=["orders"])]))
     port = hub_port(hub)
@@ -148,3 +155,24 @@ def test_ephemeral_callbacks(pki: PKI, tmp_path: Path, start: Starter) -> None:
         hub.close()
         wait_until(lambda: "disconnect" in events.kinds(), "on_disconnect")
     assert events.calls[0] == ("connect", addr)
+
+
+def test_federation_status_is_typed(pki: PKI, tmp_path: Path, start: Starter) -> None:
+    hub = start(hub_config(pki, tmp_path / "hub", [peer("node1", publish=["orders"])]))
+    port = hub_port(hub)
+    node = start(
+        client_config(pki, tmp_path / "node1", "node1", port, publish=["orders", "secret"])
+    )
+    wait_until(lambda: node.federation_status().clients[0].connected, "connected")
+    status = node.federation_status()
+    assert isinstance(status, FederationStatus) and status.hub is None
+    (link,) = status.clients
+    assert isinstance(link, HubLinkStatus)
+    assert link.addr == f"127.0.0.1:{port}" and link.refused == {}
+    assert link.refused_channels == ["secret"] and link.refused_subscriptions == []
+    assert link.failed_attempts == 0 and link.reconnects == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        link.connected = False  # type: ignore[misc]
+    hub_side = hub.federation_status()
+    assert isinstance(hub_side.hub, HubStatus) and hub_side.clients == []
+    assert hub_side.hub.peers == ["node1"] and hub_side.hub.accepted >= 1

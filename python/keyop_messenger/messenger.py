@@ -21,7 +21,7 @@ from .errors import send_batch, unicode_error
 from .message import LogEntry, entry_from_row
 from .metrics import MetricsServer
 from .payloads import PayloadRegistry, to_plain
-from .stats import Stats, stats_from_engine
+from .stats import FederationStatus, Stats, federation_status_from_engine, stats_from_engine
 from .subscription import Deliverer, Handler, Subscription
 
 __all__ = ["GapHandler", "Messenger", "read_channel"]
@@ -158,13 +158,15 @@ class Messenger(_core.MessengerBase, _SyncContext):
         of recent samples, and federation links and listener."""
         return stats_from_engine(self._engine.stats())
 
-    def federation_status(self) -> dict[str, Any]:
-        """Hub counters and connected peers, and each client link's state:
+    def federation_status(self) -> FederationStatus:
+        """A typed snapshot: ``hub`` (:class:`HubStatus`: ``accepted``,
+        ``rejected``, connected ``peers``; None when the hub is not enabled)
+        and ``clients``, one :class:`HubLinkStatus` per configured hub:
         ``addr``, ``connected``, ``reconnects``, ``failed_attempts``,
         ``refused`` (records the hub refused, per channel),
         ``refused_channels`` (configured publish channels the hub's handshake
         refuses; not sent, kept here) and ``refused_subscriptions``."""
-        return self._engine.federation_status()
+        return federation_status_from_engine(self._engine.federation_status())
 
     def set_allowed_peers(self, peers: list[AllowedPeer]) -> list[str]:
         """Replaces ``hub.allowed_peers`` of the running hub (``keyop-messenger
