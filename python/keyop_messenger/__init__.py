@@ -64,7 +64,7 @@ from .stats import (
     SubscriberStats,
     Totals,
 )
-from .subscription import Handler, Subscription
+from .subscription import DeadLetter, Handler, Subscription
 
 _logging.getLogger("keyop_messenger").addHandler(_logging.NullHandler())
 
@@ -83,6 +83,7 @@ __all__ = [
     "DataDirLockedError",
     "DataDirNotFoundError",
     "DataLossError",
+    "DeadLetter",
     "DedupConfig",
     "EphemeralMessenger",
     "FederationConfig",

@@ -114,6 +114,7 @@ class Engine:
         backoff_base_ms: int = 100,
         backoff_max_ms: int = 5000,
         on_gap: Callable[[int, int], object] | None = None,
+        dead_letter: bool = True,
     ) -> Subscription: ...
     def unsubscribe(self, channel: str, subscriber_id: str) -> None: ...
     def start_retention(

@@ -17,7 +17,7 @@ from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import _SyncContext, refuse_when_closed
 from .config import AllowedPeer, Config, load_config
 from .context import _CONTEXT, resolve
-from .errors import send_batch, unicode_error
+from .errors import ConfigError, send_batch, unicode_error
 from .message import LogEntry, entry_from_row
 from .metrics import MetricsServer
 from .payloads import PayloadRegistry, to_plain
@@ -203,6 +203,9 @@ class Messenger(_core.MessengerBase, _SyncContext):
         handler: Handler,
         *,
         on_gap: GapHandler | None = None,
+        max_retries: int | None = None,
+        backoff: tuple[float, float] | None = None,
+        dead_letter: bool = True,
     ) -> Subscription:
         """Delivers ``channel`` to ``handler`` as subscriber ``subscriber_id``.
 
@@ -212,7 +215,9 @@ class Messenger(_core.MessengerBase, _SyncContext):
         raising retries with backoff (100 ms doubling to 5 s) up to
         ``subscribers.max_retries`` times, then the message goes to
         ``<channel>.dead-letter``. A payload that does not decode into its
-        registered type is dead-lettered at once; unregistered types arrive as
+        registered type is dead-lettered at once, and so is a message whose
+        handler raises :class:`DeadLetter` (``reason`` becomes the dead
+        letter's error text); unregistered types arrive as
         plain JSON data. A record that cannot be read at all (not an envelope,
         or a payload nested too deep) is quarantined (copied to
         ``<data_dir>/quarantine/<channel>/<offset>.jsonl``) and dead-lettered
@@ -224,10 +229,28 @@ class Messenger(_core.MessengerBase, _SyncContext):
         ``on_gap(channel, subscriber_id, from_offset, to_offset)`` if given
         (called on the delivery thread; an exception it raises is printed).
 
+        ``max_retries`` (default ``subscribers.max_retries``) and ``backoff``
+        (``(initial_s, max_s)``, default ``(0.1, 5.0)``: the first retry waits
+        ``initial_s``, each next one twice as long, at most ``max_s``)
+        override the configuration for this subscriber. ``dead_letter=False``
+        logs (ERROR) and skips a message that failed for good instead of
+        dead-lettering it. A dead letter's payload has the 1.4 fields
+        (``original``, ``retries``, ``last_error``, ``failed_at``) and
+        ``reason`` (``"rejected"`` or ``"retries_exhausted"``), ``attempts``
+        (handler calls), ``channel`` and ``offset`` of the original.
+
         Raises :class:`InvalidNameError` for bad names (ids starting with
         ``fed-`` are reserved) and :class:`SubscriptionError` if the id is
         already subscribed to the channel.
         """
+        retries = self._config.subscribers.max_retries if max_retries is None else max_retries
+        initial_s, max_s = (0.1, 5.0) if backoff is None else backoff
+        if retries < 0 or not 0 <= initial_s <= max_s:
+            raise ConfigError(
+                f"subscribe({channel!r}, {subscriber_id!r}): max_retries must be >= 0 and "
+                f"backoff (initial_s, max_s) must have 0 <= initial_s <= max_s; got "
+                f"max_retries={retries!r}, backoff={backoff!r}"
+            )
         deliverer = Deliverer(handler, self._registry, channel, subscriber_id)
         gap = None if on_gap is None else _gap_reporter(on_gap, channel, subscriber_id)
         try:
@@ -235,8 +258,11 @@ class Messenger(_core.MessengerBase, _SyncContext):
                 channel,
                 subscriber_id,
                 deliverer,
-                max_retries=self._config.subscribers.max_retries,
+                max_retries=retries,
                 offset_flush_interval_ms=self._config.storage.offset_flush_interval_ms,
+                backoff_base_ms=round(initial_s * 1000),
+                backoff_max_ms=round(max_s * 1000),
+                dead_letter=dead_letter,
                 on_gap=gap,
             )
         except UnicodeEncodeError as exc:

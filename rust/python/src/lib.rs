@@ -404,7 +404,7 @@ impl PyEngine {
     ///
     /// `on_gap(from, to)` is called when bytes `from..to` the subscriber had
     /// not read are gone (delivery goes on at `to`).
-    #[pyo3(signature = (channel, subscriber_id, deliver, *, max_retries = 5, offset_flush_interval_ms = 0, backoff_base_ms = 100, backoff_max_ms = 5000, on_gap = None))]
+    #[pyo3(signature = (channel, subscriber_id, deliver, *, max_retries = 5, offset_flush_interval_ms = 0, backoff_base_ms = 100, backoff_max_ms = 5000, on_gap = None, dead_letter = true))]
     #[allow(clippy::too_many_arguments)]
     fn subscribe(
         &self,
@@ -417,12 +417,14 @@ impl PyEngine {
         backoff_base_ms: u64,
         backoff_max_ms: u64,
         on_gap: Option<Py<PyAny>>,
+        dead_letter: bool,
     ) -> PyResult<Subscription> {
         let opts = SubscribeOptions {
             max_retries,
             offset_flush_interval: Duration::from_millis(offset_flush_interval_ms),
             backoff_base: Duration::from_millis(backoff_base_ms),
             backoff_max: Duration::from_millis(backoff_max_ms.max(backoff_base_ms)),
+            dead_letter,
             ..SubscribeOptions::default()
         };
         let handler = PyHandler {
