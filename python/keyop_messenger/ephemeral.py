@@ -8,6 +8,7 @@ message and acknowledged it; without a connection it raises
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ log = logging.getLogger("keyop_messenger")
 
 #: Seconds ``connect()`` waits for the first connection by default.
 CONNECT_TIMEOUT_S = 10.0
+#: Seconds ``publish()`` waits for the hub's acknowledgement by default.
+PUBLISH_TIMEOUT_S = 60.0
 
 
 @refuse_when_closed(lambda e: e._closed, lambda e: f"ephemeral messenger {e.name!r}")
@@ -112,7 +115,10 @@ class EphemeralMessenger(_SyncContext):
 
     def connect(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
         """Dials the hub and waits up to ``timeout`` seconds for the handshake.
-        Raises :class:`ConnectionLostError` if it cannot connect."""
+        Raises :class:`KeyopTimeoutError` if no connection was made in time
+        (with ``auto_reconnect`` it keeps dialing in the background), and
+        :class:`ConnectionLostError` if the hub refused or could not be reached
+        without ``auto_reconnect``. Ctrl-C stops the waiting."""
         self._client.connect(timeout)
 
     def register_payload_type(self, name: str, cls: type) -> None:
@@ -157,8 +163,10 @@ class EphemeralMessenger(_SyncContext):
         *,
         service_name: str | None = None,
         correlation_id: str | None = None,
+        timeout: float = PUBLISH_TIMEOUT_S,
     ) -> str:
         """Publishes one message; returns its id once the hub committed it.
+        See :meth:`publish_batch` for ``timeout``.
 
         Raises :class:`PolicyError` (naming the channel and the hub) when the
         hub refuses the message: a channel not in this peer's allowed publish
@@ -170,6 +178,7 @@ class EphemeralMessenger(_SyncContext):
             [(payload_type, payload)],
             service_name=service_name,
             correlation_id=correlation_id,
+            timeout=timeout,
         )[0]
 
     def publish_batch(
@@ -179,16 +188,24 @@ class EphemeralMessenger(_SyncContext):
         *,
         service_name: str | None = None,
         correlation_id: str | None = None,
+        timeout: float = PUBLISH_TIMEOUT_S,
     ) -> list[str]:
         """Publishes ``(payload_type, payload)`` pairs in one frame; returns
         their ids once the hub committed and acknowledged the frame.
 
         Raises :class:`PolicyError` when the hub refuses any of them (see
-        :meth:`publish`); the others may have been stored."""
+        :meth:`publish`); the others may have been stored.
+
+        Waits at most ``timeout`` seconds (default 60) for the
+        acknowledgement, also while disconnected with ``auto_reconnect``;
+        then raises :class:`KeyopTimeoutError`: a publish not yet sent is
+        dropped, one already sent may still have been stored by the hub
+        (at-least-once). Ctrl-C stops the waiting."""
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
-        return send_batch(self._client.publish_batch, channel, pairs, service, corr, to_plain)
+        send = functools.partial(self._client.publish_batch, timeout_s=timeout)
+        return send_batch(send, channel, pairs, service, corr, to_plain)
 
     def status(self) -> dict[str, Any]:
         """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``,

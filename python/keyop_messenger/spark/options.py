@@ -68,6 +68,17 @@ class Options:
         otherwise."""
         return self._parsed(key, default, int, "an integer", minimum)
 
+    def boolean(self, key: str, default: bool) -> bool:
+        """``true`` / ``false`` (any case; ``default`` when unset or empty)."""
+        text = (self.get(key) or "").strip().lower()
+        if text == "":
+            return default
+        if text not in ("true", "false"):
+            raise ValueError(
+                f"keyop data source: option {key!r} must be 'true' or 'false', got {text!r}"
+            )
+        return text == "true"
+
     def _parsed(
         self, key: str, default: _N, parse: Callable[[str], _N], kind: str, minimum: _N
     ) -> _N:

@@ -210,6 +210,7 @@ class ReadSpec:
     max_partition_bytes: int
     schema: StructType
     retain_as: str | None = None
+    allow_missing: bool = False
 
     @classmethod
     def from_options(cls, options: Any, schema: StructType) -> ReadSpec:
@@ -240,7 +241,27 @@ class ReadSpec:
             o.integer("max_partition_bytes", 0),
             schema,
             retain_as,
+            o.boolean("allowMissing", False),
         )
+
+    def check_exists(self) -> None:
+        """Raises :class:`DataDirNotFoundError` / :class:`ChannelNotFoundError`
+        unless the data directory and channel exist or ``allowMissing`` is set."""
+        from ..errors import ChannelNotFoundError, DataDirNotFoundError
+
+        if self.allow_missing:
+            return
+        if not os.path.isdir(self.data_dir):
+            raise DataDirNotFoundError(
+                f"keyop data source: data directory {self.data_dir} does not exist "
+                "(set the option allowMissing=true to read it as empty)"
+            )
+        if not _channel_dir(self.data_dir, self.channel).is_dir():
+            raise ChannelNotFoundError(
+                f"keyop data source: channel {self.channel!r} does not exist in data "
+                f"directory {self.data_dir} (set the option allowMissing=true to read it "
+                "as empty)"
+            )
 
     def start(self) -> int:
         """The offset the read starts at (``earliest``, ``latest`` or a byte offset moved to the

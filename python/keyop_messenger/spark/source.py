@@ -53,11 +53,14 @@ class KeyopDataSource(DataSource):
         spec = ReadSpec.from_options(self.options, schema)
         if spec.retain_as is not None:
             raise ValueError("keyop data source: option 'retain_as' applies to streaming reads")
+        spec.check_exists()
         return BatchReader(spec)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         """A streaming reader following the channel."""
-        return StreamReader(ReadSpec.from_options(self.options, schema))
+        spec = ReadSpec.from_options(self.options, schema)
+        spec.check_exists()
+        return StreamReader(spec)
 
     def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:
         """A batch writer; only the ``append`` mode is accepted."""
