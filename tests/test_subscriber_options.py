@@ -6,6 +6,9 @@ fields beyond 1.4 (``reason``, ``attempts``, ``channel``, ``offset``).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -113,3 +116,30 @@ def test_dead_letter_false_skips_without_a_dead_letter(messenger: Messenger) -> 
 def test_bad_options_are_refused(messenger: Messenger, options: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="backoff"):
         messenger.subscribe("orders", "billing", lambda _m: None, **options)
+
+
+def test_replay_keeps_the_original_id_origin_and_timestamp(tmp_path: Path) -> None:
+    config = {"name": "n1", "storage": {"data_dir": str(tmp_path / "d")}}
+    cfg_file = tmp_path / "km.yaml"
+    cfg_file.write_text(json.dumps(config))  # JSON is YAML
+    with Messenger(Config.from_dict(config)) as m:
+        m.subscribe("orders", "billing", Recorder(lambda _msg: DeadLetter("no")))
+        first = m.publish("orders", "t.Order", {"n": 0}, correlation_id="c1")
+        wait_until(lambda: dead_letters(m, "orders"), "the dead letter")
+        (original,) = [e.message for e in m.read_channel("orders")]
+    assert original.id == first
+    done = subprocess.run(
+        [sys.executable, "-m", "keyop_messenger.cli", "dead-letters", "replay", "--config",
+         str(cfg_file), "orders"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["new_id"] == first
+    with Messenger(Config.from_dict(config)) as m:
+        stored = [e.message for e in m.read_channel("orders")]
+    assert len(stored) == 2
+    replayed = stored[1]
+    assert (replayed.id, replayed.origin, replayed.timestamp) == (
+        original.id, original.origin, original.timestamp,
+    )  # fmt: skip
+    assert (replayed.payload, replayed.correlation_id) == ({"n": 0}, "c1")

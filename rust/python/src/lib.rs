@@ -726,6 +726,13 @@ impl PyEngine {
         )
     }
 
+    /// Appends the envelope `record` (JSON) to `channel` unchanged (same id,
+    /// origin, timestamp); returns its id once committed (dead-letter replay).
+    fn _republish(&self, py: Python<'_>, channel: &str, record: &[u8]) -> PyResult<String> {
+        py.detach(|| keyop_core::replay::republish(&self.engine, channel, record))
+            .py_err(py)
+    }
+
     /// Test hook: simulates a power loss (unsynced bytes dropped, the first
     /// `torn` of them kept as a torn write) and closes the engine.
     #[pyo3(signature = (torn = 0))]
