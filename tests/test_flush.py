@@ -12,6 +12,7 @@ channel, the records and bytes still pending. Hubs are real messengers on
 from __future__ import annotations
 
 import _thread
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -148,3 +149,20 @@ def test_ephemeral_flush_waits_for_publishes_in_flight(
         eph.flush(timeout=WAIT_S)
         waiting.join(WAIT_S)
         assert len(results) == 1 and results[0] in stored_ids(hub_dir, "temps")
+
+
+def test_async_flush(pki: PKI, tmp_path: Path, start: Starter) -> None:
+    from keyop_messenger.aio import AsyncMessenger
+
+    hub_dir = tmp_path / "hub"
+    hub = start(hub_config(pki, hub_dir, [peer("node1", publish=["orders"])]))
+    cfg = client_config(pki, tmp_path / "node1", "node1", hub_port(hub), publish=["orders"])
+
+    async def main() -> str:
+        async with AsyncMessenger(cfg) as m:
+            mid = await m.publish("orders", "t", {})
+            await m.flush(timeout=WAIT_S)
+            return mid
+
+    mid = asyncio.run(main())
+    assert stored_ids(hub_dir, "orders") == [mid]

@@ -6,6 +6,7 @@ fields beyond 1.4 (``reason``, ``attempts``, ``channel``, ``offset``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -143,3 +144,30 @@ def test_replay_keeps_the_original_id_origin_and_timestamp(tmp_path: Path) -> No
         original.id, original.origin, original.timestamp,
     )  # fmt: skip
     assert (replayed.payload, replayed.correlation_id) == ({"n": 0}, "c1")
+
+
+def test_async_subscriber_options_and_dead_letter_signal(tmp_path: Path) -> None:
+    from keyop_messenger.aio import AsyncMessenger
+
+    config = {"name": "n1", "storage": {"data_dir": str(tmp_path)}}
+    seen: list[int] = []
+
+    async def handler(msg: Message) -> None:
+        seen.append(msg.payload["n"])
+        if msg.payload["n"] == 0:
+            raise DeadLetter("async says no")
+
+    async def main() -> list[dict[str, Any]]:
+        async with AsyncMessenger(Config.from_dict(config)) as m:
+            await m.subscribe("orders", "billing", handler, max_retries=3, backoff=(0.01, 0.01))
+            await m.publish("orders", "t", {"n": 0})
+            await m.publish("orders", "t", {"n": 1})
+            for _ in range(int(WAIT_S / 0.02)):
+                if 1 in seen:
+                    break
+                await asyncio.sleep(0.02)
+            return dead_letters(m.messenger, "orders")
+
+    letters = asyncio.run(main())
+    assert seen == [0, 1], "DeadLetter is not retried"
+    assert [(d["last_error"], d["attempts"]) for d in letters] == [("async says no", 1)]
