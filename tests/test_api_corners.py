@@ -126,6 +126,7 @@ ARGS: dict[str, Any] = {
     "cls": dict,
     "timeout": 0.1,
     "peers": [],
+    "position": "earliest",
 }
 
 

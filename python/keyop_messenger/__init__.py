@@ -51,6 +51,7 @@ from .errors import (
 from .message import LogEntry, Message
 from .messenger import Messenger, read_channel
 from .payloads import PayloadRegistry
+from .positions import Position
 from .stats import (
     ChannelStats,
     FederationStats,
@@ -111,6 +112,7 @@ __all__ = [
     "PayloadRegistry",
     "PayloadTypeError",
     "PolicyError",
+    "Position",
     "Stats",
     "StorageConfig",
     "StorageError",

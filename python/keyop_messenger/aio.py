@@ -1,3 +1,5 @@
+# why this file is long: the async face of both messengers and of their subscriptions shares
+# one bridge from engine threads to the event loop and one worker pool.
 """asyncio face of :class:`Messenger` and :class:`EphemeralMessenger`.
 
 ::
@@ -67,8 +69,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._closing import CLOSE_TIMEOUT_S
 from .config import Config
-from .errors import ClosedError, ForkedProcessError
+from .errors import ClosedError, ForkedProcessError, SubscriptionError
 from .message import Message
+from .positions import Position
 
 if TYPE_CHECKING:
     from .ephemeral import EphemeralMessenger
@@ -437,6 +440,12 @@ class AsyncSubscription(_AsyncContext):
         """False once closed, or stopped because its event loop closed."""
         return not (self._closed or self._bridge.loop_gone)
 
+    async def seek(self, position: Position) -> None:
+        """As :meth:`Subscription.seek` (not for an ephemeral subscription)."""
+        if self._sync is None:
+            raise SubscriptionError("an ephemeral subscription has no position to seek")
+        await self._owner._run(self._sync.seek, position)
+
     def _stop_from_engine_thread(self) -> None:
         if self._sync is not None:
             self._sync.close()
@@ -513,6 +522,8 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         max_retries: int | None = None,
         backoff: tuple[float, float] | None = None,
         dead_letter: bool = True,
+        start: Position = "latest",
+        reset: bool = False,
     ) -> AsyncSubscription:
         """Delivers ``channel`` to the ``async def`` ``handler`` as subscriber
         ``subscriber_id``, on the running event loop.
@@ -525,12 +536,14 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         data gone before it was read, as with :meth:`Messenger.subscribe`;
         so are ``max_retries``, ``backoff``, ``dead_letter`` and raising
         :class:`DeadLetter`.
+        ``start`` and ``reset`` choose where it starts, as there.
         """
         sync = self._require()
         bridge = self._bridge(handler, f"{channel}/{subscriber_id}")
         core = await self._run(
             sync.subscribe, channel, subscriber_id, bridge, on_gap=on_gap,
             max_retries=max_retries, backoff=backoff, dead_letter=dead_letter,
+            start=start, reset=reset,
         )  # fmt: skip
         sub = AsyncSubscription(self, core, bridge, channel)
         bridge.subscription = sub

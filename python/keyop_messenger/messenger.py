@@ -15,12 +15,13 @@ from typing import Any
 from . import _core
 from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
-from .config import AllowedPeer, Config, load_config
+from .config import AllowedPeer, Config, TLSConfig, load_config
 from .context import _CONTEXT, resolve
 from .errors import ConfigError, send_batch, unicode_error
 from .message import LogEntry, entry_from_row
 from .metrics import MetricsServer
 from .payloads import PayloadRegistry, to_plain
+from .positions import Position, to_core
 from .stats import FederationStatus, Stats, federation_status_from_engine, stats_from_engine
 from .subscription import Deliverer, Handler, Subscription
 
@@ -178,6 +179,15 @@ class Messenger(_core.MessengerBase, _SyncContext):
         Raises :class:`FederationError` when the hub is not enabled."""
         return self._engine.set_allowed_peers(json.dumps([dataclasses.asdict(p) for p in peers]))
 
+    def reload_tls(self, tls: TLSConfig) -> None:
+        """Loads the certificate, key and CA files of ``tls`` again (``keyop-messenger
+        run`` does it on SIGHUP), with the checks made at start: connections
+        accepted or dialed from now on use them, established ones stay up.
+        Rotate certificates by replacing the files and calling this. Raises
+        :class:`FederationError` naming the file when one does not load (the
+        running certificates stay) or when no hub or client is running."""
+        self._engine.reload_tls(json.dumps(dataclasses.asdict(tls)))
+
     def register_payload_type(self, name: str, cls: type) -> None:
         """Associates payload type ``name`` with ``cls`` (dataclass, pydantic
         model, ``dict`` or ``TypedDict``): publishes of that type are checked
@@ -209,11 +219,19 @@ class Messenger(_core.MessengerBase, _SyncContext):
         max_retries: int | None = None,
         backoff: tuple[float, float] | None = None,
         dead_letter: bool = True,
+        start: Position = "latest",
+        reset: bool = False,
     ) -> Subscription:
         """Delivers ``channel`` to ``handler`` as subscriber ``subscriber_id``.
 
-        A new id starts at the current end of the channel; a known id resumes
-        from its offset file (also after a crash). ``handler`` runs on an
+        A new id (one with no offset file) starts at ``start``: ``"latest"``
+        (the default: the current end, history is skipped), ``"earliest"``
+        (the oldest record kept), an ``int`` byte offset that starts a record,
+        or a timezone-aware ``datetime`` (the first record published at or
+        after it). A known id resumes from its offset file (also after a
+        crash) and ``start`` is ignored, unless ``reset=True``, which moves it
+        to ``start`` anyway. An offset that is not a record boundary, or a
+        naive datetime, raises :class:`ConfigError`. ``handler`` runs on an
         engine thread and receives a :class:`Message`; returning acknowledges,
         raising retries with backoff (100 ms doubling to 5 s) up to
         ``subscribers.max_retries`` times, then the message goes to
@@ -254,6 +272,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
                 f"backoff (initial_s, max_s) must have 0 <= initial_s <= max_s; got "
                 f"max_retries={retries!r}, backoff={backoff!r}"
             )
+        kind, value = to_core(start)
         deliverer = Deliverer(handler, self._registry, channel, subscriber_id)
         gap = None if on_gap is None else _gap_reporter(on_gap, channel, subscriber_id)
         try:
@@ -267,6 +286,9 @@ class Messenger(_core.MessengerBase, _SyncContext):
                 backoff_max_ms=round(max_s * 1000),
                 dead_letter=dead_letter,
                 on_gap=gap,
+                start_kind=kind,
+                start_value=value,
+                reset=reset,
             )
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel, subscriber_id=subscriber_id) from None
@@ -293,11 +315,24 @@ class Messenger(_core.MessengerBase, _SyncContext):
         return self._engine.compact(**self._retention())
 
     def read_channel(
-        self, channel: str, *, start_offset: int = 0, skip_gaps: bool = False
+        self,
+        channel: str,
+        *,
+        start_offset: int = 0,
+        skip_gaps: bool = False,
+        since: Position | None = None,
+        until: Position | None = None,
+        limit: int | None = None,
     ) -> Iterator[LogEntry]:
         """Iterates the committed messages of ``channel`` from ``start_offset``
         (a global byte offset; 0 means the oldest record kept), decoding
         payloads with the registered types.
+
+        ``since`` (instead of ``start_offset``) and ``until`` take a position
+        (see :data:`~keyop_messenger.positions.Position`): an offset that
+        starts a record or a timezone-aware ``datetime``; the messages read
+        are those from ``since`` up to, not including, ``until`` (for a
+        datetime: published before it). ``limit`` caps how many are returned.
 
         Unreadable records are quarantined (see :meth:`subscribe`) and passed
         over. If bytes after ``start_offset`` are gone (deleted by retention,
@@ -307,11 +342,17 @@ class Messenger(_core.MessengerBase, _SyncContext):
 
         Raises :class:`ChannelNotFoundError` (at the call, not at the first
         ``next()``) if the channel does not exist; nothing is created."""
+        _check_limit(limit)
         try:
-            rows = self._engine.read(channel, start_offset, skip_gaps=skip_gaps)
+            if since is not None:
+                start_offset = self._engine.resolve_position(channel, *to_core(since, "since"))
+            end = None
+            if until is not None:
+                end = self._engine.resolve_position(channel, *to_core(until, "until"))
+            rows = self._engine.read(channel, start_offset, skip_gaps=skip_gaps, until=end)
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel) from None
-        return (entry_from_row(row, self._registry) for row in rows)
+        return _entries(rows, self._registry, limit)
 
     def stream_end(self, channel: str) -> int:
         """The committed end of ``channel``: the offset the next record gets."""
@@ -426,6 +467,9 @@ def read_channel(
     start_offset: int = 0,
     registry: PayloadRegistry | None = None,
     skip_gaps: bool = False,
+    since: Position | None = None,
+    until: Position | None = None,
+    limit: int | None = None,
 ) -> Iterator[LogEntry]:
     """Iterates the messages of ``channel`` in any data directory, also one
     written by keyop-messenger 1.4 or in use by another process. Only whole
@@ -433,13 +477,38 @@ def read_channel(
     ``<data_dir>/quarantine/<channel>/<offset>.jsonl``, logged once) and
     passed over. Bytes gone after ``start_offset`` (0: the oldest record kept)
     raise :class:`DataLossError` naming the byte range, unless ``skip_gaps``.
+    ``since``, ``until`` and ``limit`` are as in :meth:`Messenger.read_channel`
+    (a time is found by bisection, not by reading the whole channel).
 
     Raises (at the call, not at the first ``next()``)
     :class:`DataDirNotFoundError` if ``data_dir`` does not exist and
     :class:`ChannelNotFoundError` if the channel does not; it never creates
     anything."""
+    _check_limit(limit)
+    path = os.fspath(data_dir)
     try:
-        rows = _core.read_channel(os.fspath(data_dir), channel, start_offset, skip_gaps=skip_gaps)
+        if since is not None:
+            start_offset = _core.resolve_position(path, channel, *to_core(since, "since"))
+        end = None
+        if until is not None:
+            end = _core.resolve_position(path, channel, *to_core(until, "until"))
+        rows = _core.read_channel(path, channel, start_offset, skip_gaps=skip_gaps, until=end)
     except UnicodeEncodeError as exc:
         raise unicode_error(exc, channel=channel) from None
-    return (entry_from_row(row, registry) for row in rows)
+    return _entries(rows, registry, limit)
+
+
+def _check_limit(limit: int | None) -> None:
+    """Refuses a negative ``limit``."""
+    if limit is not None and limit < 0:
+        raise ConfigError(f"limit={limit} is negative; pass a count of 0 or more, or None")
+
+
+def _entries(
+    rows: Iterable[Any], registry: PayloadRegistry | None, limit: int | None
+) -> Iterator[LogEntry]:
+    """Log entries of engine rows, at most ``limit`` of them."""
+    for n, row in enumerate(rows):
+        if limit is not None and n >= limit:
+            return
+        yield entry_from_row(row, registry)

@@ -11,6 +11,7 @@ from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
 from .errors import PayloadTypeError
 from .message import Message
 from .payloads import PayloadRegistry
+from .positions import Position, to_core
 
 __all__ = ["DeadLetter", "Deliverer", "Handler", "Subscription"]
 
@@ -120,6 +121,15 @@ class Subscription(_SyncContext):
     def position(self) -> int:
         """Global offset of the next message not yet acknowledged."""
         return self._core.position
+
+    def seek(self, position: Position) -> None:
+        """Makes delivery go on at ``position`` (``"earliest"``, ``"latest"``,
+        an ``int`` offset that starts a record, or a timezone-aware
+        ``datetime``): the next message delivered is the one there, and the
+        subscriber's offset is moved there. Taken between handler calls: a
+        call in progress finishes first. Raises :class:`ConfigError` for a
+        position that is not a record boundary or a naive datetime."""
+        self._core.seek(*to_core(position, "position"))
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops delivery after the handler call in progress (if any) and

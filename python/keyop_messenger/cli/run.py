@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .common import CONFIG_HELP, load, ops_command
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config import Config, TLSConfig
     from ..messenger import Messenger
 
 log = logging.getLogger("keyop_messenger.service")
@@ -124,7 +126,8 @@ def serve(
 ) -> int:
     """Runs ``config`` until SIGTERM/SIGINT (main thread only); returns the exit
     status. On SIGHUP ``reload()`` gives the configuration again; its
-    ``hub.allowed_peers`` are applied, and its ``log.level`` through
+    ``hub.allowed_peers`` are applied, its ``tls`` files are loaded again when
+    their paths or contents changed, and its ``log.level`` is applied through
     ``set_level`` (None: ``-v``/``-q`` fixed the level); other changed keys
     need a restart."""
     from .._sdnotify import Notifier
@@ -141,6 +144,9 @@ def serve(
     server: MetricsServer | None = None
     messenger: Messenger | None = None
     own = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, listen_addr=""))
+    # Taken before the messenger loads the files: a change in between is
+    # picked up (reloaded once more) by the next SIGHUP, never missed.
+    tls_seen = [_tls_digest(config.tls)]
     try:
         if config.metrics.listen_addr:
             server = MetricsServer(None, config.metrics.listen_addr, health=health).start()
@@ -161,7 +167,7 @@ def serve(
             if reload is None or messenger is None:
                 log.warning("SIGHUP: nothing to reload")
                 return
-            _reload(messenger, current, reload, set_level)
+            _reload(messenger, current, reload, set_level, tls_seen)
 
         signum = _wait(notifier, health, on_hup)
         log.info("%s: stopping", signal.Signals(signum).name)
@@ -213,14 +219,32 @@ def _changed_keys(old: Config, new: Config) -> list[str]:
     return keys
 
 
+def _tls_digest(tls: TLSConfig) -> str:
+    """Fingerprint of the ``tls`` paths and of the files' contents (a file
+    that cannot be read counts by its error), to notice certificates rotated
+    in place."""
+    digest = hashlib.sha256()
+    for path in (tls.cert, tls.key, tls.ca):
+        digest.update(path.encode() + b"\0")
+        try:
+            digest.update(Path(path).read_bytes() if path else b"")
+        except OSError as err:
+            digest.update(f"unreadable: {err}".encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def _reload(
     messenger: Messenger,
     current: list[Config],
     reload: Callable[[], Config],
     set_level: Callable[[str], None] | None,
+    tls_seen: list[str] | None = None,
 ) -> None:
-    """SIGHUP: reads the configuration again and applies ``hub.allowed_peers``
-    and ``log.level``; a bad configuration is logged and the running one kept."""
+    """SIGHUP: reads the configuration again and applies ``hub.allowed_peers``,
+    ``log.level`` and the ``tls`` files (when their paths or, per
+    ``tls_seen[0]``, their contents changed); a bad configuration or
+    certificate is logged and the running one kept."""
     from ..errors import ConfigError, KeyopError
 
     try:
@@ -240,6 +264,25 @@ def _reload(
             log.info("SIGHUP: log level now %s", new.log.level or "info")
         old = current[0] = dataclasses.replace(old, log=new.log)
         applied = True
+    tls_keys = [k for k in changed if k.startswith("tls.")]
+    digest = _tls_digest(new.tls)
+    federating = old.hub.enabled or old.client.enabled
+    if federating and (tls_keys or (tls_seen is not None and digest != tls_seen[0])):
+        changed = [k for k in changed if not k.startswith("tls.")]
+        try:
+            messenger.reload_tls(new.tls)
+        except KeyopError as err:
+            log.error("SIGHUP: TLS not reloaded, the running certificates stay: %s", err)
+            applied = True  # handled: not "unchanged"
+        else:
+            if tls_seen is not None:
+                tls_seen[0] = digest
+            old = current[0] = dataclasses.replace(old, tls=new.tls)
+            applied = True
+            log.info(
+                "SIGHUP: TLS reloaded (cert %s, key %s, ca %s); new connections use it",
+                new.tls.cert, new.tls.key, new.tls.ca,
+            )  # fmt: skip
     if "hub.allowed_peers" in changed:
         changed.remove("hub.allowed_peers")
         if not old.hub.enabled:

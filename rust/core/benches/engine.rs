@@ -195,6 +195,70 @@ fn reader(c: &mut Criterion) {
     g.finish();
 }
 
+/// Records in the channel of the time-seek benchmark.
+const SEEK_RECORDS: usize = 100_000;
+
+/// A time seek (the first record at or after a time) in a channel of
+/// [`SEEK_RECORDS`] records over 1 MiB segments: bisection over the segments'
+/// timestamps, then over record boundaries in one segment.
+fn time_seek(c: &mut Criterion) {
+    use keyop_core::storage::timeindex::{resolve, SeekCost, StartPosition};
+    let dir = TempDir::new().expect("temp dir");
+    let cfg = StoreConfig {
+        data_dir: dir.path().to_owned(),
+        sync_interval_ms: 0,
+        segment_bytes: 1024 * 1024,
+    };
+    let engine = Engine::open(cfg, ORIGIN).expect("open engine");
+    let writer = engine.publish_writer(CHANNEL).expect("channel writer");
+    let chunk = 1000;
+    let mut middle = 0;
+    for i in 0..SEEK_RECORDS / chunk {
+        if i == SEEK_RECORDS / chunk / 2 {
+            middle = SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("clock")
+                .as_nanos() as i64;
+        }
+        writer
+            .append(&records(chunk), chunk as u64)
+            .expect("append");
+    }
+    let end = writer.committed_end();
+    let channel_dir = writer.dir().to_owned();
+    engine.close();
+    let mut cost = SeekCost::default();
+    let at = resolve(
+        &channel_dir,
+        StartPosition::Time(middle),
+        u64::MAX,
+        &mut cost,
+    )
+    .unwrap_or_else(|_| panic!("time seek failed"));
+    eprintln!(
+        "time_seek: {SEEK_RECORDS} records, {end} bytes, {} segments: found offset {at} \
+         reading {} windows of {} bytes",
+        keyop_core::storage::segment::list_segments(&channel_dir).map_or(0, |s| s.len()),
+        cost.reads,
+        keyop_core::storage::timeindex::WINDOW
+    );
+    let mut g = c.benchmark_group("seek");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function(format!("time/{SEEK_RECORDS}"), |b| {
+        b.iter(|| {
+            let mut cost = SeekCost::default();
+            resolve(
+                black_box(&channel_dir),
+                StartPosition::Time(black_box(middle)),
+                u64::MAX,
+                &mut cost,
+            )
+            .is_ok()
+        })
+    });
+    g.finish();
+}
+
 fn wire(c: &mut Criterion) {
     let stored = records(BATCH);
     let lines: Vec<&[u8]> = stored
@@ -284,6 +348,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = envelope, append, reader, wire, probe
+    targets = envelope, append, reader, time_seek, wire, probe
 }
 criterion_main!(benches);

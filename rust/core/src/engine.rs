@@ -18,7 +18,8 @@ use crate::federation::{FedConfig, Federation};
 use crate::fork::Owner;
 use crate::stats::{ChannelSnapshot, EngineStats, SubscriberSnapshot};
 use crate::storage::compaction::{self, CompactionReport, RetentionConfig};
-use crate::storage::offsets::{offset_path, subscribers_dir};
+use crate::storage::offsets::{offset_path, read_offset, subscribers_dir};
+use crate::storage::timeindex::{self, PositionError, SeekCost, StartPosition};
 use crate::storage::{ChannelWriter, LogReader, StorageError, Store, StoreConfig};
 use crate::subscribe::{Handler, Stop, SubscribeOptions, Subscriber, Wiring};
 use crate::Error;
@@ -231,6 +232,43 @@ impl Engine {
         handler: H,
         opts: SubscribeOptions,
     ) -> Result<Arc<Subscriber>, Error> {
+        self.subscribe_from(channel, id, handler, opts, StartPosition::Latest, false)
+    }
+
+    /// Global offset of the record boundary `pos` names in `channel` (see
+    /// [`timeindex::resolve`]); a channel that does not exist is
+    /// [`StorageError::ChannelNotFound`].
+    pub fn resolve_position(&self, channel: &str, pos: StartPosition) -> Result<u64, Error> {
+        let (reader, writer) = self.read(channel, 0)?;
+        resolve_in(reader.dir(), channel, pos, writer.committed_end())
+    }
+
+    /// Makes `sub` go on at `pos`: the next record delivered is the one
+    /// there (taken between batches; the new offset is persisted).
+    pub fn seek(&self, sub: &Subscriber, pos: StartPosition) -> Result<(), Error> {
+        if sub.is_stopped() {
+            return Err(Error::Closed(format!(
+                "subscription {:?}/{:?} is closed",
+                sub.channel(),
+                sub.id()
+            )));
+        }
+        let at = self.resolve_position(sub.channel(), pos)?;
+        sub.seek(at);
+        Ok(())
+    }
+
+    /// As [`Engine::subscribe`], starting at `start` when the subscriber has
+    /// no stored offset, or always when `reset`.
+    pub fn subscribe_from<H: Handler>(
+        &self,
+        channel: &str,
+        id: &str,
+        handler: H,
+        opts: SubscribeOptions,
+        start: StartPosition,
+        reset: bool,
+    ) -> Result<Arc<Subscriber>, Error> {
         self.check_open()?;
         validate_name(NameKind::Channel, channel)?;
         validate_name(NameKind::SubscriberId, id)?;
@@ -257,6 +295,22 @@ impl Engine {
             self.store.writer(&envelope::dead_letter_channel(channel))?
         };
         let path = offset_path(&subscribers_dir(self.store.data_dir(), channel), id);
+        let fresh = reset
+            || read_offset(&path)
+                .map_err(io_error(format!("cannot read {}", path.display())))?
+                .is_none();
+        let initial = if fresh && start != StartPosition::Latest {
+            Some(resolve_in(
+                writer.dir(),
+                channel,
+                start,
+                writer.committed_end(),
+            )?)
+        } else if fresh && reset {
+            Some(writer.committed_end())
+        } else {
+            None
+        };
         let wiring = Wiring {
             channel: channel.to_owned(),
             id: id.to_owned(),
@@ -264,6 +318,7 @@ impl Engine {
             dead_letters,
             offset_path: path.clone(),
             stats: self.stats.clone(),
+            initial,
         };
         let sub = Subscriber::start(wiring, handler, opts).map_err(io_error(format!(
             "cannot start subscriber {id:?} on channel {channel:?} (offset file {})",
@@ -724,4 +779,20 @@ pub fn existing_channel_dir(data_dir: &Path, channel: &str) -> Result<std::path:
         .into());
     }
     Ok(dir)
+}
+
+/// [`timeindex::resolve`] with its errors named after `channel`.
+fn resolve_in(dir: &Path, channel: &str, pos: StartPosition, limit: u64) -> Result<u64, Error> {
+    timeindex::resolve(dir, pos, limit, &mut SeekCost::default()).map_err(|e| match e {
+        PositionError::Invalid(why) => Error::Config(format!("channel {channel:?}: {why}")),
+        PositionError::Io(e) => io_error(format!("cannot seek in channel {channel:?}"))(e),
+    })
+}
+
+/// [`Engine::resolve_position`] for a channel of any data directory (no
+/// lock taken; every complete record counts).
+pub fn resolve_position(data_dir: &Path, channel: &str, pos: StartPosition) -> Result<u64, Error> {
+    envelope::validate_name(NameKind::Channel, channel)?;
+    let dir = existing_channel_dir(data_dir, channel)?;
+    resolve_in(&dir, channel, pos, u64::MAX)
 }

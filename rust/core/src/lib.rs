@@ -17,9 +17,10 @@ pub mod stats;
 pub mod storage;
 pub mod subscribe;
 
-pub use engine::{read_channel, read_channel_stats, Engine, Outgoing, Published};
+pub use engine::{read_channel, read_channel_stats, resolve_position, Engine, Outgoing, Published};
 pub use envelope::{Envelope, NameError, NameKind};
 pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};
+pub use storage::timeindex::StartPosition;
 pub use storage::{StorageError, StoreConfig};
 pub use subscribe::{BatchOutcome, Delivery, Failure, Handler, SubscribeOptions, Subscriber};
 

@@ -176,6 +176,7 @@ pub struct Subscriber {
     owner: crate::fork::Owner,
     writer: Arc<ChannelWriter>,
     position: Arc<AtomicU64>,
+    seek_to: Arc<Mutex<Option<u64>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     thread_id: ThreadId,
 }
@@ -195,6 +196,8 @@ struct Worker<H: Handler> {
     persisted: u64,
     last_flush: Instant,
     position: Arc<AtomicU64>,
+    /// A seek requested by [`Subscriber::seek`], taken between batches.
+    seek_to: Arc<Mutex<Option<u64>>>,
     stop: Arc<Stop>,
     finished: Arc<Stop>,
     abandoned: Arc<AtomicBool>,
@@ -209,6 +212,9 @@ pub(crate) struct Wiring {
     pub dead_letters: Arc<ChannelWriter>,
     pub offset_path: PathBuf,
     pub stats: Arc<EngineStats>,
+    /// A resolved start position (a record boundary) used instead of the
+    /// stored offset, or instead of the end when there is none.
+    pub initial: Option<u64>,
 }
 
 impl Subscriber {
@@ -227,12 +233,16 @@ impl Subscriber {
             dead_letters,
             offset_path,
             stats,
+            initial,
         } = w;
         let (channel, id) = (channel.as_str(), id.as_str());
         let end = writer.committed_end();
-        let start = match read_offset(&offset_path)? {
-            Some(stored) => sane_start(&writer, stored, end, channel, id)?,
-            None => end,
+        let start = match initial {
+            Some(at) => at,
+            None => match read_offset(&offset_path)? {
+                Some(stored) => sane_start(&writer, stored, end, channel, id)?,
+                None => end,
+            },
         };
         if let Some(dir) = offset_path.parent() {
             segment::create_dir_all(dir)?;
@@ -242,6 +252,7 @@ impl Subscriber {
         let finished = Arc::new(Stop::default());
         let abandoned = Arc::new(AtomicBool::new(false));
         let position = Arc::new(AtomicU64::new(start));
+        let seek_to = Arc::new(Mutex::new(None));
         let worker = Worker {
             channel: channel.to_owned(),
             id: id.to_owned(),
@@ -255,6 +266,7 @@ impl Subscriber {
             persisted: start,
             last_flush: Instant::now(),
             position: position.clone(),
+            seek_to: seek_to.clone(),
             stop: stop.clone(),
             finished: finished.clone(),
             abandoned: abandoned.clone(),
@@ -272,6 +284,7 @@ impl Subscriber {
             owner: crate::fork::Owner::current(),
             writer,
             position,
+            seek_to,
             thread_id: thread.thread().id(),
             thread: Mutex::new(Some(thread)),
         })
@@ -290,6 +303,14 @@ impl Subscriber {
     /// Offset of the next record not yet acknowledged.
     pub fn position(&self) -> u64 {
         self.position.load(Ordering::Acquire)
+    }
+
+    /// Asks the delivery thread to go on at `offset` (a record boundary,
+    /// already checked): it is taken between batches, the offset is
+    /// persisted, and the next record delivered is the one at `offset`.
+    pub fn seek(&self, offset: u64) {
+        *self.seek_to.lock().unwrap_or_else(|e| e.into_inner()) = Some(offset);
+        self.writer.notifier().wake_all();
     }
 
     /// Whether a stop was requested.
@@ -446,6 +467,7 @@ fn sane_start(
 impl<H: Handler> Worker<H> {
     fn run(mut self) {
         while !self.stop.is_set() {
+            self.take_seek();
             let batch = match self.read_batch() {
                 Ok(b) => b,
                 Err(e) => {
@@ -462,6 +484,9 @@ impl<H: Handler> Worker<H> {
             };
             if batch.is_empty() {
                 self.flush_offset(false);
+                if self.seek_pending() {
+                    continue;
+                }
                 let wait = if self.acked != self.persisted {
                     self.opts.offset_flush_interval.min(self.opts.poll_interval)
                 } else {
@@ -479,6 +504,28 @@ impl<H: Handler> Worker<H> {
         }
         self.flush_offset(true);
         self.finished.set();
+    }
+
+    /// Applies a requested seek: the reader and the acknowledged offset move
+    /// there, and the offset is persisted at once.
+    fn take_seek(&mut self) {
+        let to = self
+            .seek_to
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(to) = to {
+            self.reader.seek(to);
+            self.ack(to);
+            self.flush_offset(true);
+        }
+    }
+
+    fn seek_pending(&self) -> bool {
+        self.seek_to
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     /// Reads up to `max_batch` decodable records. Unreadable lines and
@@ -579,6 +626,10 @@ impl<H: Handler> Worker<H> {
                 self.ack(r.offset + r.line.len() as u64 + 1);
             }
             rest = &rest[handled..];
+            if self.seek_pending() {
+                // The rest of the batch is passed over: delivery goes on where asked.
+                return true;
+            }
             if self.stop.is_set() {
                 // Stopped while handling: what was not handled stays unacknowledged.
                 return rest.is_empty();

@@ -19,7 +19,7 @@ use keyop_core::federation::ephemeral::{EphemeralClient as EphemeralCore, Epheme
 use keyop_core::storage::{ChannelWriter, FaultPoint, Item, LogReader};
 use keyop_core::{
     BatchOutcome, Delivery, Engine, Envelope, Failure, Handler, Outgoing, RetentionConfig,
-    RetentionLimits, StoreConfig, SubscribeOptions, Subscriber,
+    RetentionLimits, StartPosition, StoreConfig, SubscribeOptions, Subscriber,
 };
 use pyo3::exceptions::{PyRuntimeError, PyUnicodeEncodeError};
 use pyo3::intern;
@@ -356,16 +356,33 @@ impl PyEngine {
         Ok(writer.map_or(0, |w| w.committed_end()))
     }
 
-    /// Reads committed records of `channel` from `start_offset`. A gap
-    /// raises `DataLossError` unless `skip_gaps`; a channel that does not
-    /// exist raises `ChannelNotFoundError` (nothing is created).
-    #[pyo3(signature = (channel, start_offset = 0, *, skip_gaps = false))]
+    /// Global offset of the record boundary a position names in `channel`:
+    /// `kind` is "earliest", "latest", "offset" (`value` a byte offset) or
+    /// "time" (`value` Unix nanoseconds: the first record at or after it).
+    fn resolve_position(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+        kind: &str,
+        value: i64,
+    ) -> PyResult<u64> {
+        let pos = start_position(kind, value)?;
+        py.detach(|| self.engine.resolve_position(channel, pos))
+            .py_err(py)
+    }
+
+    /// Reads committed records of `channel` from `start_offset`, up to (not
+    /// including) the record at `until` if given. A gap raises
+    /// `DataLossError` unless `skip_gaps`; a channel that does not exist
+    /// raises `ChannelNotFoundError` (nothing is created).
+    #[pyo3(signature = (channel, start_offset = 0, *, skip_gaps = false, until = None))]
     fn read(
         &self,
         py: Python<'_>,
         channel: &str,
         start_offset: u64,
         skip_gaps: bool,
+        until: Option<u64>,
     ) -> PyResult<RecordIter> {
         let (reader, writer) = py
             .detach(|| self.engine.read(channel, start_offset))
@@ -377,6 +394,7 @@ impl PyEngine {
             data_dir: self.engine.store().data_dir().to_owned(),
             channel: channel.to_owned(),
             skip_gaps,
+            until: until.unwrap_or(u64::MAX),
         })
     }
 
@@ -440,7 +458,11 @@ impl PyEngine {
     ///
     /// `on_gap(from, to)` is called when bytes `from..to` the subscriber had
     /// not read are gone (delivery goes on at `to`).
-    #[pyo3(signature = (channel, subscriber_id, deliver, *, max_retries = 5, offset_flush_interval_ms = 0, backoff_base_ms = 100, backoff_max_ms = 5000, on_gap = None, dead_letter = true))]
+    ///
+    /// `start_kind`/`start_value` (see `resolve_position`) say where a
+    /// subscriber without a stored offset starts; `reset` applies them even
+    /// when it has one.
+    #[pyo3(signature = (channel, subscriber_id, deliver, *, max_retries = 5, offset_flush_interval_ms = 0, backoff_base_ms = 100, backoff_max_ms = 5000, on_gap = None, start_kind = "latest", start_value = 0, reset = false, dead_letter = true))]
     #[allow(clippy::too_many_arguments)]
     fn subscribe(
         &self,
@@ -453,8 +475,12 @@ impl PyEngine {
         backoff_base_ms: u64,
         backoff_max_ms: u64,
         on_gap: Option<Py<PyAny>>,
+        start_kind: &str,
+        start_value: i64,
+        reset: bool,
         dead_letter: bool,
     ) -> PyResult<Subscription> {
+        let start = start_position(start_kind, start_value)?;
         let opts = SubscribeOptions {
             max_retries,
             offset_flush_interval: Duration::from_millis(offset_flush_interval_ms),
@@ -469,7 +495,10 @@ impl PyEngine {
             decoder: PyDecoder::default(),
         };
         let sub = py
-            .detach(|| self.engine.subscribe(channel, subscriber_id, handler, opts))
+            .detach(|| {
+                self.engine
+                    .subscribe_from(channel, subscriber_id, handler, opts, start, reset)
+            })
             .py_err(py)?;
         Ok(Subscription {
             engine: self.engine.clone(),
@@ -572,6 +601,21 @@ impl PyEngine {
                 .with_federation(|f| f.hub().map(|h| h.set_allowed_peers(peers)))
                 .flatten()
                 .ok_or_else(|| keyop_core::Error::Federation("no hub is running".into()))
+        })
+        .py_err(py)
+    }
+
+    /// Loads the `tls` files of `tls_json` (the `tls` section) again for new
+    /// connections; established ones keep theirs. Raises FederationError when
+    /// a file does not load (the running TLS stays) or no federation runs.
+    fn reload_tls(&self, py: Python<'_>, tls_json: &str) -> PyResult<()> {
+        let tls: keyop_core::federation::TlsSettings = serde_json::from_str(tls_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("tls: {e}")))?;
+        py.detach(|| {
+            self.engine
+                .with_federation(|f| f.reload_tls(&tls))
+                .ok_or_else(|| keyop_core::Error::Federation("federation is not running".into()))?
+                .map_err(|e| keyop_core::Error::Federation(e.to_string()))
         })
         .py_err(py)
     }
@@ -1129,6 +1173,13 @@ impl Subscription {
         self.sub.position()
     }
 
+    /// Makes delivery go on at a position (see `Engine.resolve_position`):
+    /// taken between batches, the new offset is persisted.
+    fn seek(&self, py: Python<'_>, kind: &str, value: i64) -> PyResult<()> {
+        let pos = start_position(kind, value)?;
+        py.detach(|| self.engine.seek(&self.sub, pos)).py_err(py)
+    }
+
     /// Stops delivery and persists the offset, waiting at most `timeout_s`
     /// (default 10 s) for a handler call in progress; returns False when it
     /// was left running (its message stays unacknowledged, delivered again
@@ -1164,6 +1215,8 @@ struct RecordIter {
     data_dir: PathBuf,
     channel: String,
     skip_gaps: bool,
+    /// Records ending past this offset are not read.
+    until: u64,
 }
 
 /// What the reader found next, before conversion to Python (transient).
@@ -1263,7 +1316,8 @@ impl RecordIter {
         let limit = match &self.limit {
             Limit::Committed(w) => w.as_ref().map_or(0, |w| w.committed_end()),
             Limit::Complete => u64::MAX,
-        };
+        }
+        .min(self.until);
         let (reader, data_dir, channel) = (&mut self.reader, &self.data_dir, &self.channel);
         py.detach(|| -> std::io::Result<Option<Found>> {
             loop {
@@ -1305,13 +1359,14 @@ impl RecordIter {
 /// keyop-messenger 1.4, or in use by another process) from `start_offset`.
 /// A gap raises `DataLossError` unless `skip_gaps`.
 #[pyfunction]
-#[pyo3(signature = (data_dir, channel, start_offset = 0, *, skip_gaps = false))]
+#[pyo3(signature = (data_dir, channel, start_offset = 0, *, skip_gaps = false, until = None))]
 fn read_channel(
     py: Python<'_>,
     data_dir: PathBuf,
     channel: &str,
     start_offset: u64,
     skip_gaps: bool,
+    until: Option<u64>,
 ) -> PyResult<RecordIter> {
     let reader = keyop_core::read_channel(&data_dir, channel, start_offset).py_err(py)?;
     Ok(RecordIter {
@@ -1321,6 +1376,41 @@ fn read_channel(
         data_dir,
         channel: channel.to_owned(),
         skip_gaps,
+        until: until.unwrap_or(u64::MAX),
+    })
+}
+
+/// Global offset of the record boundary a position names in `channel` of any
+/// data directory (see `Engine.resolve_position`).
+#[pyfunction]
+fn resolve_position(
+    py: Python<'_>,
+    data_dir: PathBuf,
+    channel: &str,
+    kind: &str,
+    value: i64,
+) -> PyResult<u64> {
+    let pos = start_position(kind, value)?;
+    py.detach(|| keyop_core::resolve_position(&data_dir, channel, pos))
+        .py_err(py)
+}
+
+/// A start position from its Python form (kind name and value).
+fn start_position(kind: &str, value: i64) -> PyResult<StartPosition> {
+    Ok(match kind {
+        "earliest" => StartPosition::Earliest,
+        "latest" => StartPosition::Latest,
+        "time" => StartPosition::Time(value),
+        "offset" => StartPosition::Offset(u64::try_from(value).map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "offset {value} is negative; use a record's offset (0 or more)"
+            ))
+        })?),
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "unknown position kind {other:?}; use 'earliest', 'latest', 'offset' or 'time'"
+            )))
+        }
     })
 }
 
@@ -1420,6 +1510,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Subscription>()?;
     m.add_class::<EphemeralClient>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
+    m.add_function(wrap_pyfunction!(resolve_position, m)?)?;
     m.add_function(wrap_pyfunction!(read_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(validate_channel, m)?)?;

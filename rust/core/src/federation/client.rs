@@ -41,7 +41,7 @@ impl ClientLink {
         rt: &Runtime,
         shared: Arc<Shared>,
         ep: HubEndpoint,
-        tls: Arc<ClientConfig>,
+        tls: Arc<super::tls::Reloadable<ClientConfig>>,
     ) -> Result<(ClientLink, tokio::task::JoinHandle<()>), String> {
         if host_of(&ep.addr).is_none() {
             return Err(format!("hub address {:?} is not host:port", ep.addr));
@@ -252,7 +252,7 @@ pub(crate) fn jittered(delay: Duration, jitter: f64) -> Duration {
 async fn dial_loop(
     shared: Arc<Shared>,
     ep: HubEndpoint,
-    tls: Arc<ClientConfig>,
+    tls: Arc<super::tls::Reloadable<ClientConfig>>,
     status: Arc<LinkStatus>,
 ) {
     let base = Duration::from_millis(shared.link.reconnect_base_ms.max(1));
@@ -266,7 +266,7 @@ async fn dial_loop(
         attempt += 1;
         let connected = tokio::select! {
             _ = shared.cancel.cancelled() => return,
-            r = connect_once(&shared.name, shared.link.max_batch_bytes, &ep, tls.clone(), false) => r,
+            r = connect_once(&shared.name, shared.link.max_batch_bytes, &ep, tls.current(), false) => r,
         };
         match connected {
             Ok((ws, welcome)) => {

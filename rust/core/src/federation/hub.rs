@@ -53,7 +53,8 @@ struct HubState {
     cfg: HubSettings,
     /// `hub.allowed_peers`, replaceable while running ([`Hub::set_allowed_peers`]).
     allowed: Arc<Mutex<Arc<Vec<AllowedPeer>>>>,
-    acceptor: TlsAcceptor,
+    /// The server configuration for the next accept (replaced by a TLS reload).
+    tls: Arc<tls::Reloadable<ServerConfig>>,
     counters: Arc<HubCounters>,
     /// Connected durable peers: name -> (connection number, its cancel token).
     peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
@@ -71,7 +72,7 @@ impl Hub {
     pub async fn start(
         shared: Arc<Shared>,
         cfg: HubSettings,
-        tls: Arc<ServerConfig>,
+        tls: Arc<tls::Reloadable<ServerConfig>>,
     ) -> Result<(Hub, Vec<tokio::task::JoinHandle<()>>), FedError> {
         let listener = TcpListener::bind(&cfg.listen_addr)
             .await
@@ -93,7 +94,7 @@ impl Hub {
             shared: shared.clone(),
             cfg,
             allowed: allowed.clone(),
-            acceptor: TlsAcceptor::from(tls),
+            tls,
             counters: counters.clone(),
             peers: peers.clone(),
             ephemeral: ephemeral.clone(),
@@ -293,8 +294,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
     // TLS, upgrade and the client's handshake must all arrive in time, and
     // the connection may be evicted meanwhile (conns.rs).
     let opening = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
-        let tls = state
-            .acceptor
+        let tls = TlsAcceptor::from(state.tls.current())
             .accept(tcp)
             .await
             .map_err(|e| format!("TLS handshake: {e}"))?;

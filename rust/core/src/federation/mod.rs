@@ -266,6 +266,10 @@ pub struct Federation {
     hub: Option<hub::Hub>,
     clients: Vec<client::ClientLink>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// The hub's TLS configuration, replaced by [`Federation::reload_tls`].
+    server_tls: Option<Arc<tls::Reloadable<rustls::ServerConfig>>>,
+    /// The client links' TLS configuration, replaced by [`Federation::reload_tls`].
+    client_tls: Option<Arc<tls::Reloadable<rustls::ClientConfig>>>,
 }
 
 impl Federation {
@@ -281,16 +285,7 @@ impl Federation {
             return Err(FedError::Config("instance name must not be empty".into()));
         }
         let material = if cfg.hub.enabled || cfg.client.enabled {
-            let m = tls::TlsMaterial::load(&cfg.tls)?;
-            if m.own_cn().as_deref() != Some(cfg.name.as_str()) {
-                log::warn!(
-                    "instance name {:?} differs from the certificate CN {:?}; hubs identify this instance by the CN",
-                    cfg.name,
-                    m.own_cn().unwrap_or_default()
-                );
-            }
-            m.warn_expiry(cfg.tls.expiry_warn_days, &cfg.tls.ca);
-            Some(m)
+            Some(load_tls(&cfg.name, &cfg.tls)?)
         } else {
             None
         };
@@ -312,20 +307,26 @@ impl Federation {
             hub: None,
             clients: Vec::new(),
             tasks: Vec::new(),
+            server_tls: None,
+            client_tls: None,
         };
         if let (true, Some(m)) = (cfg.hub.enabled, material.as_ref()) {
-            let server = m
-                .server_config()
-                .map_err(|e| FedError::Tls(e.to_string()))?;
+            let server = tls::Reloadable::new(
+                m.server_config()
+                    .map_err(|e| FedError::Tls(e.to_string()))?,
+            );
+            fed.server_tls = Some(server.clone());
             let (hub, tasks) =
                 rt.block_on(hub::Hub::start(shared.clone(), cfg.hub.clone(), server))?;
             fed.hub = Some(hub);
             fed.tasks.extend(tasks);
         }
         if let (true, Some(m)) = (cfg.client.enabled, material.as_ref()) {
-            let client_tls = m
-                .client_config()
-                .map_err(|e| FedError::Tls(e.to_string()))?;
+            let client_tls = tls::Reloadable::new(
+                m.client_config()
+                    .map_err(|e| FedError::Tls(e.to_string()))?,
+            );
+            fed.client_tls = Some(client_tls.clone());
             for ep in &cfg.client.hubs {
                 let (link, task) =
                     client::ClientLink::start(&rt, shared.clone(), ep.clone(), client_tls.clone())
@@ -337,6 +338,43 @@ impl Federation {
             }
         }
         Ok(fed)
+    }
+
+    /// Loads the `tls` files again, with the checks made at start (readable,
+    /// within their validity dates, key private and unencrypted, key matching
+    /// the certificate), and makes connections
+    /// accepted or dialed from now on use them; established connections keep
+    /// theirs. Nothing is replaced unless everything loads: on an error the
+    /// running TLS configuration stays.
+    pub fn reload_tls(&self, cfg: &TlsSettings) -> Result<(), FedError> {
+        if self.server_tls.is_none() && self.client_tls.is_none() {
+            return Err(FedError::Config(
+                "no hub or client is running: no TLS to reload".into(),
+            ));
+        }
+        let m = load_tls(&self.shared.name, cfg)?;
+        let tls_err = |e: rustls::Error| FedError::Tls(e.to_string());
+        let server = match self.server_tls {
+            Some(_) => Some(m.server_config().map_err(tls_err)?),
+            None => None,
+        };
+        let client = match self.client_tls {
+            Some(_) => Some(m.client_config().map_err(tls_err)?),
+            None => None,
+        };
+        if let (Some(holder), Some(new)) = (&self.server_tls, server) {
+            holder.replace(new);
+        }
+        if let (Some(holder), Some(new)) = (&self.client_tls, client) {
+            holder.replace(new);
+        }
+        log::debug!(
+            "TLS reloaded: certificate {:?} (CN {:?}), CA {:?}; new connections use it",
+            cfg.cert,
+            m.own_cn().unwrap_or_default(),
+            cfg.ca
+        );
+        Ok(())
     }
 
     /// The address the hub listens on (useful with port 0).
@@ -371,6 +409,21 @@ impl Federation {
         });
         self.shared.audit.close();
     }
+}
+
+/// Loads the `tls` files, warning when the certificate CN is not `name` or
+/// a certificate expires soon.
+fn load_tls(name: &str, cfg: &TlsSettings) -> Result<tls::TlsMaterial, FedError> {
+    let m = tls::TlsMaterial::load(cfg)?;
+    if m.own_cn().as_deref() != Some(name) {
+        log::warn!(
+            "instance name {:?} differs from the certificate CN {:?}; hubs identify this instance by the CN",
+            name,
+            m.own_cn().unwrap_or_default()
+        );
+    }
+    m.warn_expiry(cfg.expiry_warn_days, &cfg.ca);
+    Ok(m)
 }
 
 impl Drop for Federation {

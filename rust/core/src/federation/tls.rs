@@ -2,7 +2,7 @@
 //! identity (certificate subject CN).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use rustls::pki_types::pem::PemObject;
@@ -170,6 +170,28 @@ impl TlsMaterial {
                 check("CA", &ca);
             }
         }
+    }
+}
+
+/// A TLS configuration replaceable while running ([`super::Federation::reload_tls`]):
+/// read once per accept or dial, so new connections use the newest one and
+/// established connections keep the one they were made with.
+pub struct Reloadable<T>(RwLock<Arc<T>>);
+
+impl<T> Reloadable<T> {
+    /// A holder starting with `config`.
+    pub fn new(config: Arc<T>) -> Arc<Reloadable<T>> {
+        Arc::new(Reloadable(RwLock::new(config)))
+    }
+
+    /// The configuration for the next connection.
+    pub fn current(&self) -> Arc<T> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the configuration for connections made from now on.
+    pub fn replace(&self, config: Arc<T>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = config;
     }
 }
 

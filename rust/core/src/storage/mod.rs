@@ -8,6 +8,7 @@ pub mod quarantine;
 pub mod reader;
 pub mod segment;
 pub mod testhook;
+pub mod timeindex;
 pub mod writer;
 
 use std::collections::HashMap;
