@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -246,13 +247,13 @@ def free_port() -> int:
 
 
 def client_status(m: Messenger, index: int = 0) -> dict[str, Any]:
-    return dict(m.federation_status()["clients"][index])
+    return dataclasses.asdict(m.federation_status().clients[index])
 
 
 def hub_status(m: Messenger) -> dict[str, Any]:
-    status = m.federation_status()["hub"]
+    status = m.federation_status().hub
     assert status is not None, "not a hub"
-    return dict(status)
+    return dataclasses.asdict(status)
 
 
 def wait_peers(hub: Messenger, *names: str) -> None:

@@ -135,8 +135,15 @@ class _FakeClient:
             federation=FederationStats(links=[link]),
         )  # fmt: skip
 
-    def federation_status(self) -> dict[str, Any]:
-        return {"hub": None, "clients": [{"addr": "hub:7740", "failed_attempts": 4}]}
+    def federation_status(self) -> Any:
+        from keyop_messenger import FederationStatus, HubLinkStatus
+
+        link = HubLinkStatus(
+            addr="hub:7740", connected=False, reconnects=2, failed_attempts=4,
+            refused={"temps": 3, "alerts": 1}, refused_channels=["secret"],
+            refused_subscriptions=[],
+        )  # fmt: skip
+        return FederationStatus(hub=None, clients=[link])
 
 
 def test_status_counts_refusals_of_client_links() -> None:

@@ -279,7 +279,7 @@ def test_truncated_client_to_hub_frames(
     assert proxy.counts["truncated"] == 4, proxy.counts
     assert_exactly_once_in_order(got, sent, "hub temps")
     check_whole_lines(hub_dir, "temps")
-    assert hub.federation_status()["hub"]["peers"] == ["node1"]
+    assert hub.federation_status().hub.peers == ["node1"]
 
 
 def test_truncated_hub_to_client_frames(

@@ -487,7 +487,11 @@ def test_dead_letter_record_format(tmp_path: Path) -> None:
         assert dl["origin"] == "origin-host"
         assert dl["payload_type"] == DEAD_LETTER_TYPE
         payload = dl["payload"]
-        assert list(payload) == ["original", "retries", "last_error", "failed_at"]
+        # The 1.4 fields first, in order; then reason, attempts, channel, offset.
+        assert list(payload) == [
+            "original", "retries", "last_error", "failed_at",
+            "reason", "attempts", "channel", "offset",
+        ]  # fmt: skip
         assert payload["original"] == json.loads(original_line)
         assert payload["original"]["service_name"] == "shop"
         assert payload["original"]["correlation_id"] == "c-1"

@@ -55,14 +55,17 @@ from .positions import Position
 from .stats import (
     ChannelStats,
     FederationStats,
+    FederationStatus,
     HubLinkStats,
+    HubLinkStatus,
     HubListenerStats,
+    HubStatus,
     LatencyStats,
     Stats,
     SubscriberStats,
     Totals,
 )
-from .subscription import Handler, Subscription
+from .subscription import DeadLetter, Handler, Subscription
 
 _logging.getLogger("keyop_messenger").addHandler(_logging.NullHandler())
 
@@ -81,17 +84,21 @@ __all__ = [
     "DataDirLockedError",
     "DataDirNotFoundError",
     "DataLossError",
+    "DeadLetter",
     "DedupConfig",
     "EphemeralMessenger",
     "FederationConfig",
     "FederationError",
     "FederationStats",
+    "FederationStatus",
     "ForkedProcessError",
     "Handler",
     "HubConfig",
     "HubEndpoint",
     "HubLinkStats",
+    "HubLinkStatus",
     "HubListenerStats",
+    "HubStatus",
     "InvalidNameError",
     "KeyopError",
     "KeyopTimeoutError",

@@ -353,6 +353,13 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         for name, cls in self._types:
             sync.register_payload_type(name, cls)
 
+    async def flush(self, timeout: float | None = None) -> None:
+        """As ``flush()`` of the sync class, waiting on a worker thread:
+        returns once everything published so far is committed and
+        acknowledged by the hubs, else raises :class:`KeyopTimeoutError`."""
+        sync = self._require()
+        await self._run(sync.flush, timeout)  # type: ignore[attr-defined]
+
     async def publish(
         self,
         channel: str,
@@ -512,6 +519,9 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         handler: AsyncHandler,
         *,
         on_gap: Callable[[str, str, int, int], Any] | None = None,
+        max_retries: int | None = None,
+        backoff: tuple[float, float] | None = None,
+        dead_letter: bool = True,
         start: Position = "latest",
         reset: bool = False,
     ) -> AsyncSubscription:
@@ -523,14 +533,18 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         acknowledges, raising retries with backoff and eventually
         dead-letters. One message at a time per subscription, in order.
         ``on_gap`` (a plain function, called on an engine thread) is told of
-        data gone before it was read, as with :meth:`Messenger.subscribe`.
+        data gone before it was read, as with :meth:`Messenger.subscribe`;
+        so are ``max_retries``, ``backoff``, ``dead_letter`` and raising
+        :class:`DeadLetter`.
         ``start`` and ``reset`` choose where it starts, as there.
         """
         sync = self._require()
         bridge = self._bridge(handler, f"{channel}/{subscriber_id}")
         core = await self._run(
-            sync.subscribe, channel, subscriber_id, bridge, on_gap=on_gap, start=start, reset=reset
-        )
+            sync.subscribe, channel, subscriber_id, bridge, on_gap=on_gap,
+            max_retries=max_retries, backoff=backoff, dead_letter=dead_letter,
+            start=start, reset=reset,
+        )  # fmt: skip
         sub = AsyncSubscription(self, core, bridge, channel)
         bridge.subscription = sub
         return sub

@@ -467,7 +467,7 @@ m.publish('a', 't', {})
 if kind == 'hub':
     print(m.hub_address[1], flush=True)
     deadline = time.monotonic() + 30
-    while len((m.federation_status()['hub'] or {}).get('peers') or []) < peers:
+    while len(getattr(m.federation_status().hub, 'peers', [])) < peers:
         if time.monotonic() > deadline:
             raise SystemExit('peers did not connect')
         time.sleep(0.05)

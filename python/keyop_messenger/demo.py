@@ -125,7 +125,8 @@ def main() -> None:
             for line in (d / "hub" / "audit" / "audit.jsonl").read_text().splitlines():
                 rec = json.loads(line)
                 print("  " + " ".join(f"{k}={v}" for k, v in rec.items() if k != "ts"))
-            print("\nfederation:", json.dumps(sensor.federation_status()["clients"]))
+            links = [dataclasses.asdict(c) for c in sensor.federation_status().clients]
+            print("\nfederation:", json.dumps(links))
         finally:
             sensor.close()
             hub.close()

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _core
+from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import _SyncContext, refuse_when_closed
 from .config import Config, load_config
 from .context import resolve
@@ -51,7 +52,8 @@ class EphemeralMessenger(_SyncContext):
     :class:`BufferFullError`.
 
     ``config`` is a :class:`Config`, a mapping in the YAML shape or the path
-    of a YAML file. After ``close()`` every method but ``close()`` raises
+    of a YAML file. ``on_connect``, ``on_disconnect`` and ``on_refused`` are
+    as for :class:`Messenger`. After ``close()`` every method but ``close()`` raises
     :class:`ClosedError`.
     """
 
@@ -60,6 +62,9 @@ class EphemeralMessenger(_SyncContext):
         config: Config | Mapping[str, Any] | str | os.PathLike[str],
         *,
         auto_reconnect: bool = False,
+        on_connect: OnConnect | None = None,
+        on_disconnect: OnDisconnect | None = None,
+        on_refused: OnRefused | None = None,
     ) -> None:
         if isinstance(config, Mapping):
             config = Config.from_dict(config)
@@ -98,7 +103,9 @@ class EphemeralMessenger(_SyncContext):
             "auto_reconnect": auto_reconnect,
             "buffer_messages": config.federation.send_buffer_messages,
         }
-        self._client = _core.EphemeralClient(json.dumps(settings))
+        self._client = _core.EphemeralClient(
+            json.dumps(settings), dispatcher(on_connect, on_disconnect, on_refused)
+        )
         self._client.set_handler(self._dispatch)
 
     @property
@@ -204,6 +211,17 @@ class EphemeralMessenger(_SyncContext):
         """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``,
         and ``refused`` (records the hub refused, per channel)."""
         return self._client.status()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Returns once everything published so far is acknowledged by the hub: no
+        publish (from any thread, including those waiting in the outbound
+        buffer while reconnecting) is waiting for the hub's answer.
+
+        Raises :class:`KeyopTimeoutError` after ``timeout`` seconds (None: wait
+        as long as it takes), naming per hub and channel how many records and
+        bytes are still pending. The GIL is released while waiting; Ctrl-C
+        interrupts it (``KeyboardInterrupt``)."""
+        self._client.flush(timeout)
 
     def close(self) -> None:
         """Closes the connection; publishes still waiting fail. Idempotent."""

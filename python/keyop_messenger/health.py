@@ -190,8 +190,8 @@ def _fill(doc: dict[str, Any], source: HealthSource) -> None:
         doc["peers"] = [{"name": p, "state": "connected"} for p in listener.peers]
         doc["refused"]["connections_rejected"] = listener.connections_rejected
     fed_status = getattr(source, "federation_status", None)
-    clients = fed_status().get("clients", []) if callable(fed_status) else []
-    failed = {c["addr"]: c.get("failed_attempts", 0) for c in clients}
+    clients = fed_status().clients if callable(fed_status) else []
+    failed = {c.addr: c.failed_attempts for c in clients}
     doc["links"] = [
         {
             "addr": link.addr,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from . import _core
+from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
 from .config import AllowedPeer, Config, TLSConfig, load_config
 from .context import _CONTEXT, resolve
@@ -21,7 +22,7 @@ from .message import LogEntry, entry_from_row
 from .metrics import MetricsServer
 from .payloads import PayloadRegistry, to_plain
 from .positions import Position, to_core
-from .stats import Stats, stats_from_engine
+from .stats import FederationStatus, Stats, federation_status_from_engine, stats_from_engine
 from .subscription import Deliverer, Handler, Subscription
 
 __all__ = ["GapHandler", "Messenger", "read_channel"]
@@ -63,9 +64,21 @@ class Messenger(_core.MessengerBase, _SyncContext):
 
     ``config`` is a :class:`Config`, a mapping in the YAML shape (built with
     :meth:`Config.from_dict`) or the path of a YAML file.
+
+    Client links report to the optional callbacks ``on_connect(hub)``,
+    ``on_disconnect(hub, reason)`` and ``on_refused(hub, channel, count)``
+    (``hub`` is the configured ``host:port``). They run on one engine thread,
+    with the GIL, in event order; an exception in one is logged and ignored.
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        config: Config | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        on_connect: OnConnect | None = None,
+        on_disconnect: OnDisconnect | None = None,
+        on_refused: OnRefused | None = None,
+    ) -> None:
         if isinstance(config, Mapping):
             config = Config.from_dict(config)
         elif not isinstance(config, Config):
@@ -93,7 +106,10 @@ class Messenger(_core.MessengerBase, _SyncContext):
         _OPEN.add(self)
         if config.hub.enabled or config.client.enabled:
             try:
-                self._engine.start_federation(json.dumps(_federation_settings(config)))
+                self._engine.start_federation(
+                    json.dumps(_federation_settings(config)),
+                    dispatcher(on_connect, on_disconnect, on_refused),
+                )
             except BaseException:
                 self.close()
                 raise
@@ -146,13 +162,15 @@ class Messenger(_core.MessengerBase, _SyncContext):
         of recent samples, and federation links and listener."""
         return stats_from_engine(self._engine.stats())
 
-    def federation_status(self) -> dict[str, Any]:
-        """Hub counters and connected peers, and each client link's state:
+    def federation_status(self) -> FederationStatus:
+        """A typed snapshot: ``hub`` (:class:`HubStatus`: ``accepted``,
+        ``rejected``, connected ``peers``; None when the hub is not enabled)
+        and ``clients``, one :class:`HubLinkStatus` per configured hub:
         ``addr``, ``connected``, ``reconnects``, ``failed_attempts``,
         ``refused`` (records the hub refused, per channel),
         ``refused_channels`` (configured publish channels the hub's handshake
         refuses; not sent, kept here) and ``refused_subscriptions``."""
-        return self._engine.federation_status()
+        return federation_status_from_engine(self._engine.federation_status())
 
     def set_allowed_peers(self, peers: list[AllowedPeer]) -> list[str]:
         """Replaces ``hub.allowed_peers`` of the running hub (``keyop-messenger
@@ -198,6 +216,9 @@ class Messenger(_core.MessengerBase, _SyncContext):
         handler: Handler,
         *,
         on_gap: GapHandler | None = None,
+        max_retries: int | None = None,
+        backoff: tuple[float, float] | None = None,
+        dead_letter: bool = True,
         start: Position = "latest",
         reset: bool = False,
     ) -> Subscription:
@@ -215,7 +236,9 @@ class Messenger(_core.MessengerBase, _SyncContext):
         raising retries with backoff (100 ms doubling to 5 s) up to
         ``subscribers.max_retries`` times, then the message goes to
         ``<channel>.dead-letter``. A payload that does not decode into its
-        registered type is dead-lettered at once; unregistered types arrive as
+        registered type is dead-lettered at once, and so is a message whose
+        handler raises :class:`DeadLetter` (``reason`` becomes the dead
+        letter's error text); unregistered types arrive as
         plain JSON data. A record that cannot be read at all (not an envelope,
         or a payload nested too deep) is quarantined (copied to
         ``<data_dir>/quarantine/<channel>/<offset>.jsonl``) and dead-lettered
@@ -227,10 +250,28 @@ class Messenger(_core.MessengerBase, _SyncContext):
         ``on_gap(channel, subscriber_id, from_offset, to_offset)`` if given
         (called on the delivery thread; an exception it raises is printed).
 
+        ``max_retries`` (default ``subscribers.max_retries``) and ``backoff``
+        (``(initial_s, max_s)``, default ``(0.1, 5.0)``: the first retry waits
+        ``initial_s``, each next one twice as long, at most ``max_s``)
+        override the configuration for this subscriber. ``dead_letter=False``
+        logs (ERROR) and skips a message that failed for good instead of
+        dead-lettering it. A dead letter's payload has the 1.4 fields
+        (``original``, ``retries``, ``last_error``, ``failed_at``) and
+        ``reason`` (``"rejected"`` or ``"retries_exhausted"``), ``attempts``
+        (handler calls), ``channel`` and ``offset`` of the original.
+
         Raises :class:`InvalidNameError` for bad names (ids starting with
         ``fed-`` are reserved) and :class:`SubscriptionError` if the id is
         already subscribed to the channel.
         """
+        retries = self._config.subscribers.max_retries if max_retries is None else max_retries
+        initial_s, max_s = (0.1, 5.0) if backoff is None else backoff
+        if retries < 0 or not 0 <= initial_s <= max_s:
+            raise ConfigError(
+                f"subscribe({channel!r}, {subscriber_id!r}): max_retries must be >= 0 and "
+                f"backoff (initial_s, max_s) must have 0 <= initial_s <= max_s; got "
+                f"max_retries={retries!r}, backoff={backoff!r}"
+            )
         kind, value = to_core(start)
         deliverer = Deliverer(handler, self._registry, channel, subscriber_id)
         gap = None if on_gap is None else _gap_reporter(on_gap, channel, subscriber_id)
@@ -239,8 +280,11 @@ class Messenger(_core.MessengerBase, _SyncContext):
                 channel,
                 subscriber_id,
                 deliverer,
-                max_retries=self._config.subscribers.max_retries,
+                max_retries=retries,
                 offset_flush_interval_ms=self._config.storage.offset_flush_interval_ms,
+                backoff_base_ms=round(initial_s * 1000),
+                backoff_max_ms=round(max_s * 1000),
+                dead_letter=dead_letter,
                 on_gap=gap,
                 start_kind=kind,
                 start_value=value,
@@ -316,6 +360,22 @@ class Messenger(_core.MessengerBase, _SyncContext):
             return self._engine.stream_end(channel)
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel) from None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Returns once everything published so far is committed locally
+        (fdatasynced, also with ``storage.sync_interval_ms > 0``) and
+        acknowledged by every hub it is forwarded to: each client link's
+        forwarding cursor has reached, for every channel it publishes to that
+        hub, the end the channel had when ``flush()`` was called. Channels a
+        hub's handshake refuses (``federation_status()``'s
+        ``refused_channels``) are not sent and not waited for; records a hub
+        refuses count as answered (see ``refused``).
+
+        Raises :class:`KeyopTimeoutError` after ``timeout`` seconds (None: wait
+        as long as it takes), naming per hub and channel how many records and
+        bytes are still pending. The GIL is released while waiting; Ctrl-C
+        interrupts it (``KeyboardInterrupt``)."""
+        self._engine.flush(timeout)
 
     @property
     def closed(self) -> bool:

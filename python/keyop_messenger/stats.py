@@ -10,12 +10,16 @@ __all__ = [
     "ChannelStats",
     "DataLossStats",
     "FederationStats",
+    "FederationStatus",
     "HubLinkStats",
+    "HubLinkStatus",
     "HubListenerStats",
+    "HubStatus",
     "LatencyStats",
     "Stats",
     "SubscriberStats",
     "Totals",
+    "federation_status_from_engine",
     "stats_from_engine",
 ]
 
@@ -207,4 +211,67 @@ def stats_from_engine(raw: dict[str, Any]) -> Stats:
         latency=latency,
         federation=federation,
         data_loss=DataLossStats(gaps=gaps, gap_bytes=gap_bytes, quarantined=quarantined),
+    )
+
+
+@dataclass(frozen=True)
+class HubStatus:
+    """The hub of this instance (``Messenger.federation_status().hub``)."""
+
+    accepted: int
+    """Connections accepted since start."""
+    rejected: int
+    """Connections rejected (TLS, unknown peer, limits) since start."""
+    peers: list[str]
+    """Names of the peers connected now."""
+
+
+@dataclass(frozen=True)
+class HubLinkStatus:
+    """One client link to a hub (``Messenger.federation_status().clients``)."""
+
+    addr: str
+    """The hub's ``host:port`` as configured."""
+    connected: bool
+    reconnects: int
+    """Successful connections after the first."""
+    failed_attempts: int
+    """Dial attempts that failed since start."""
+    refused: dict[str, int]
+    """Records the hub refused, per channel (kept on this instance's disk)."""
+    refused_channels: list[str]
+    """Configured publish channels the hub's latest handshake refuses (not sent)."""
+    refused_subscriptions: list[str]
+    """Subscribed channels the hub will not deliver (latest handshake)."""
+
+
+@dataclass(frozen=True)
+class FederationStatus:
+    """``Messenger.federation_status()``: the hub, if enabled, and every client link."""
+
+    hub: HubStatus | None
+    clients: list[HubLinkStatus] = field(default_factory=list)
+
+
+def federation_status_from_engine(raw: dict[str, Any]) -> FederationStatus:
+    """Builds :class:`FederationStatus` from the engine's plain snapshot."""
+    hub = raw.get("hub")
+    return FederationStatus(
+        hub=None
+        if hub is None
+        else HubStatus(
+            accepted=hub["accepted"], rejected=hub["rejected"], peers=list(hub["peers"])
+        ),
+        clients=[
+            HubLinkStatus(
+                addr=c["addr"],
+                connected=c["connected"],
+                reconnects=c["reconnects"],
+                failed_attempts=c["failed_attempts"],
+                refused=dict(c["refused"]),
+                refused_channels=list(c["refused_channels"]),
+                refused_subscriptions=list(c["refused_subscriptions"]),
+            )
+            for c in raw.get("clients", [])
+        ],
     )

@@ -13,7 +13,7 @@ from .message import Message
 from .payloads import PayloadRegistry
 from .positions import Position, to_core
 
-__all__ = ["Deliverer", "Handler", "Subscription"]
+__all__ = ["DeadLetter", "Deliverer", "Handler", "Subscription"]
 
 log = logging.getLogger("keyop_messenger")
 
@@ -26,6 +26,17 @@ Handler.__doc__ = (
 )
 
 _Failure = tuple[bool, str] | None
+
+
+class DeadLetter(Exception):
+    """Raised by a subscription handler to dead-letter the message at once,
+    without retries: it goes to ``<channel>.dead-letter`` with ``reason`` as
+    its error text, and delivery moves on. Not a :class:`KeyopError`: the
+    library never raises it, handlers do."""
+
+    def __init__(self, reason: str = "dead-lettered by the handler") -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Deliverer:
@@ -70,6 +81,10 @@ class Deliverer:
             message = Message(id_, channel, origin, ptype, data, ts, service, corr)
             try:
                 handler(message)
+            except DeadLetter as exc:
+                log.info("%s/%s: handler dead-lettered %s: %s", self._channel, self._id,
+                         id_, exc.reason)
+                return i, (True, exc.reason)
             except Exception as exc:
                 log.warning("%s/%s: handler failed on %s: %r", self._channel, self._id,
                             id_, exc)

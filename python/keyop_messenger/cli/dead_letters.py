@@ -55,8 +55,9 @@ def add_parsers(commands: Any) -> None:
     replay: OpsParser = actions.add_parser(
         "replay",
         help="republish dead letters onto their channel",
-        description="Republishes the original payload_type, payload, service_name and "
-        "correlation_id of dead letters of CHANNEL onto CHANNEL (new message ids). Each "
+        description="Republishes the original envelopes of dead letters of CHANNEL onto "
+        "CHANNEL unchanged (same id, origin and timestamp; checked like any received record). "
+        "Each "
         "replay is recorded in subscribers/CHANNEL.dead-letter/replayed.jsonl, and dead "
         "letters recorded there are not replayed again (unless --force).",
     )
@@ -229,12 +230,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                         print(f"skipping {msg.id}: not a dead-letter record", file=sys.stderr)
                         invalid += 1
                         continue
-                    new_id = m.publish(
-                        channel,
-                        original["payload_type"],
-                        original.get("payload"),
-                        service_name=original.get("service_name"),
-                        correlation_id=original.get("correlation_id"),
+                    # The original envelope as it was: same id, origin and ts.
+                    new_id = m._engine._republish(
+                        channel, json.dumps(original, separators=(",", ":")).encode()
                     )
                     record = {
                         "dead_letter_id": msg.id,

@@ -524,6 +524,15 @@ impl Engine {
         Ok(())
     }
 
+    /// `flush()`: syncs every channel; returns what hubs must still acknowledge.
+    pub fn flush_start(&self) -> Result<Vec<crate::federation::flush::FlushTarget>, Error> {
+        self.check_open()?;
+        crate::federation::flush::sync_all(&self.store)?;
+        Ok(self
+            .with_federation(|f| f.flush_targets())
+            .unwrap_or_default())
+    }
+
     /// Runs `f` on the running federation, if any.
     pub fn with_federation<T>(&self, f: impl FnOnce(&Federation) -> T) -> Option<T> {
         self.federation

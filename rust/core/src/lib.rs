@@ -12,6 +12,7 @@ pub mod fork;
 pub mod keygen;
 pub mod lograte;
 pub mod memtrim;
+pub mod replay;
 pub mod stats;
 pub mod storage;
 pub mod subscribe;

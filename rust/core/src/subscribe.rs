@@ -103,6 +103,8 @@ pub struct SubscribeOptions {
     pub max_batch: usize,
     /// Fallback poll when no commit wakes the reader.
     pub poll_interval: Duration,
+    /// Dead-letter records that fail for good; false logs and skips them.
+    pub dead_letter: bool,
 }
 
 impl Default for SubscribeOptions {
@@ -114,6 +116,7 @@ impl Default for SubscribeOptions {
             backoff_max: Duration::from_secs(5),
             max_batch: 1024,
             poll_interval: Duration::from_secs(1),
+            dead_letter: true,
         }
     }
 }
@@ -662,6 +665,7 @@ impl<H: Handler> Worker<H> {
     fn settle(&mut self, d: &Delivery, first: Failure) -> bool {
         let mut retries = 0;
         let mut raw = false;
+        let mut rejected = true;
         let last_error = match first {
             Failure::Reject(e) => e,
             Failure::Unreadable(e) => {
@@ -672,6 +676,7 @@ impl<H: Handler> Worker<H> {
                 let mut attempt = 1;
                 loop {
                     if attempt > self.opts.max_retries {
+                        rejected = false;
                         break e;
                     }
                     retries = attempt;
@@ -720,9 +725,9 @@ impl<H: Handler> Worker<H> {
                 attempt += 1;
             }
         }
-        if self.channel.ends_with(DEAD_LETTER_SUFFIX) {
+        if self.channel.ends_with(DEAD_LETTER_SUFFIX) || !self.opts.dead_letter {
             log::error!(
-                "channel {:?}: subscriber {:?} gave up on dead-letter record {} at offset {}: {last_error}",
+                "channel {:?}: subscriber {:?} gave up on record {} at offset {} (not dead-lettered): {last_error}",
                 self.channel,
                 self.id,
                 d.envelope.id,
@@ -734,7 +739,7 @@ impl<H: Handler> Worker<H> {
         // The offset moves only once the dead letter is committed.
         let mut attempt = 1;
         loop {
-            match self.dead_letter(d, &last_error, retries) {
+            match self.dead_letter(d, &last_error, retries, rejected) {
                 Ok(()) => {
                     self.ack(d.offset + d.line.len() as u64 + 1);
                     return true;
@@ -758,15 +763,29 @@ impl<H: Handler> Worker<H> {
         d: &Delivery,
         last_error: &str,
         retries: u32,
+        rejected: bool,
     ) -> Result<(), crate::StorageError> {
         let stamp = Stamp::now();
-        let mut payload = Vec::with_capacity(d.line.len() + last_error.len() + 96);
+        let mut payload = Vec::with_capacity(d.line.len() + last_error.len() + 160);
         payload.extend_from_slice(b"{\"original\":");
         payload.extend_from_slice(&d.line);
         payload.extend_from_slice(format!(",\"retries\":{retries},\"last_error\":").as_bytes());
         envelope::push_json_str(&mut payload, last_error);
         payload.extend_from_slice(b",\"failed_at\":");
         envelope::push_json_str(&mut payload, stamp.ts());
+        // Beyond 1.4: why (rejected at once, or retries exhausted), handler
+        // calls made, and where the original was.
+        let reason = if rejected {
+            "rejected"
+        } else {
+            "retries_exhausted"
+        };
+        let attempts = retries + 1;
+        payload.extend_from_slice(
+            format!(",\"reason\":\"{reason}\",\"attempts\":{attempts},\"channel\":").as_bytes(),
+        );
+        envelope::push_json_str(&mut payload, &self.channel);
+        payload.extend_from_slice(format!(",\"offset\":{}", d.offset).as_bytes());
         payload.push(b'}');
         self.append_dead_letter(&stamp, &d.envelope.origin, &payload)
     }

@@ -61,6 +61,7 @@ fn fast_opts() -> SubscribeOptions {
         backoff_max: Duration::from_millis(4),
         max_batch: 512,
         poll_interval: Duration::from_millis(50),
+        ..SubscribeOptions::default()
     }
 }
 

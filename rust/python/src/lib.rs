@@ -462,7 +462,7 @@ impl PyEngine {
     /// `start_kind`/`start_value` (see `resolve_position`) say where a
     /// subscriber without a stored offset starts; `reset` applies them even
     /// when it has one.
-    #[pyo3(signature = (channel, subscriber_id, deliver, *, max_retries = 5, offset_flush_interval_ms = 0, backoff_base_ms = 100, backoff_max_ms = 5000, on_gap = None, start_kind = "latest", start_value = 0, reset = false))]
+    #[pyo3(signature = (channel, subscriber_id, deliver, *, max_retries = 5, offset_flush_interval_ms = 0, backoff_base_ms = 100, backoff_max_ms = 5000, on_gap = None, start_kind = "latest", start_value = 0, reset = false, dead_letter = true))]
     #[allow(clippy::too_many_arguments)]
     fn subscribe(
         &self,
@@ -478,6 +478,7 @@ impl PyEngine {
         start_kind: &str,
         start_value: i64,
         reset: bool,
+        dead_letter: bool,
     ) -> PyResult<Subscription> {
         let start = start_position(start_kind, start_value)?;
         let opts = SubscribeOptions {
@@ -485,6 +486,7 @@ impl PyEngine {
             offset_flush_interval: Duration::from_millis(offset_flush_interval_ms),
             backoff_base: Duration::from_millis(backoff_base_ms),
             backoff_max: Duration::from_millis(backoff_max_ms.max(backoff_base_ms)),
+            dead_letter,
             ..SubscribeOptions::default()
         };
         let handler = PyHandler {
@@ -573,9 +575,18 @@ impl PyEngine {
 
     /// Starts the hub and/or client links from a JSON document with the
     /// fields of `keyop_core::federation::FedConfig`.
-    fn start_federation(&self, py: Python<'_>, settings_json: &str) -> PyResult<()> {
-        let cfg: keyop_core::federation::FedConfig = serde_json::from_str(settings_json)
+    /// `events(kind, hub, detail, count)` is called on a dedicated thread
+    /// for every client link event (see `link_events`).
+    #[pyo3(signature = (settings_json, events = None))]
+    fn start_federation(
+        &self,
+        py: Python<'_>,
+        settings_json: &str,
+        events: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let mut cfg: keyop_core::federation::FedConfig = serde_json::from_str(settings_json)
             .map_err(|e| new_err(py, Kind::Config, format!("federation settings: {e}")))?;
+        cfg.events = events.map(link_events);
         py.detach(|| self.engine.start_federation(cfg)).py_err(py)
     }
 
@@ -735,6 +746,37 @@ impl PyEngine {
         Ok(d)
     }
 
+    /// Returns once everything published so far is committed locally
+    /// (relaxed mode: fdatasynced) and acknowledged by every hub it is
+    /// forwarded to; `Error::Timeout` naming what is pending after
+    /// `timeout_s` seconds (None: no limit). Ctrl-C interrupts the wait.
+    #[pyo3(signature = (timeout_s = None))]
+    fn flush(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<()> {
+        use keyop_core::federation::flush;
+        let mut targets = py.detach(|| self.engine.flush_start()).py_err(py)?;
+        let targets = Mutex::new(std::mem::take(&mut targets));
+        flush_loop(
+            py,
+            timeout_s,
+            |slice| {
+                let mut t = targets.lock().unwrap_or_else(|e| e.into_inner());
+                flush::wait_forwarded(&mut t, slice);
+                t.is_empty()
+            },
+            || {
+                let t = targets.lock().unwrap_or_else(|e| e.into_inner());
+                flush::describe(&flush::pending(&t))
+            },
+        )
+    }
+
+    /// Appends the envelope `record` (JSON) to `channel` unchanged (same id,
+    /// origin, timestamp); returns its id once committed (dead-letter replay).
+    fn _republish(&self, py: Python<'_>, channel: &str, record: &[u8]) -> PyResult<String> {
+        py.detach(|| keyop_core::replay::republish(&self.engine, channel, record))
+            .py_err(py)
+    }
+
     /// Test hook: simulates a power loss (unsynced bytes dropped, the first
     /// `torn` of them kept as a torn write) and closes the engine.
     #[pyo3(signature = (torn = 0))]
@@ -762,6 +804,71 @@ impl PyEngine {
     fn forked(&self) -> bool {
         self.engine.is_forked()
     }
+}
+
+/// Waits in slices of at most 100 ms with the GIL released, checking for
+/// signals (Ctrl-C) between slices, until `wait(slice)` says all is done or
+/// `timeout_s` (None: no limit) runs out; then `Error::Timeout` with
+/// `pending()` (what is still waiting).
+fn flush_loop(
+    py: Python<'_>,
+    timeout_s: Option<f64>,
+    mut wait: impl FnMut(Duration) -> bool + Send,
+    pending: impl FnOnce() -> String + Send,
+) -> PyResult<()> {
+    let started = std::time::Instant::now();
+    let limit = timeout_s.map(|t| Duration::from_secs_f64(t.max(0.0)));
+    loop {
+        let slice = limit.map_or(Duration::from_millis(100), |l| {
+            l.saturating_sub(started.elapsed())
+                .min(Duration::from_millis(100))
+        });
+        if py.detach(|| wait(slice)) {
+            return Ok(());
+        }
+        py.check_signals()?;
+        if let Some(l) = limit.filter(|l| started.elapsed() >= *l) {
+            let what = py.detach(pending);
+            return Err(keyop_core::Error::Timeout(format!(
+                "flush: not committed and acknowledged within {:.1}s: {what}",
+                l.as_secs_f64()
+            )))
+            .py_err(py);
+        }
+    }
+}
+
+/// A sink for link events and the thread that hands them to Python as
+/// `events(kind, hub, detail, count)`: `("connect", hub, "", 0)`,
+/// `("disconnect", hub, reason, 0)`, `("refused", hub, channel, count)`.
+/// The thread ends once the links (every sink clone) are gone.
+fn link_events(events: Py<PyAny>) -> keyop_core::federation::status::EventSink {
+    use keyop_core::federation::status::{EventSink, LinkEvent};
+    let (sink, rx) = EventSink::new(1024);
+    let spawned = std::thread::Builder::new()
+        .name("keyop-events".into())
+        .spawn(move || {
+            for ev in rx {
+                let args = match ev {
+                    LinkEvent::Connected { hub } => ("connect", hub, String::new(), 0),
+                    LinkEvent::Disconnected { hub, reason } => ("disconnect", hub, reason, 0),
+                    LinkEvent::Refused {
+                        hub,
+                        channel,
+                        count,
+                    } => ("refused", hub, channel, count),
+                };
+                Python::attach(|py| {
+                    if let Err(err) = events.call1(py, args) {
+                        err.print(py);
+                    }
+                });
+            }
+        });
+    if let Err(e) = spawned {
+        log::error!("cannot start the link event thread: {e}; callbacks will not be called");
+    }
+    sink
 }
 
 /// Per-channel retention limits: channel -> `(max_age_ms, max_bytes)`.
@@ -910,9 +1017,11 @@ impl EphemeralClient {
     /// Loads TLS and checks the settings (JSON with the fields of
     /// `EphemeralConfig`); does not dial.
     #[new]
-    fn new(py: Python<'_>, settings_json: &str) -> PyResult<Self> {
-        let cfg: EphemeralConfig = serde_json::from_str(settings_json)
+    #[pyo3(signature = (settings_json, events = None))]
+    fn new(py: Python<'_>, settings_json: &str, events: Option<Py<PyAny>>) -> PyResult<Self> {
+        let mut cfg: EphemeralConfig = serde_json::from_str(settings_json)
             .map_err(|e| new_err(py, Kind::Config, format!("ephemeral settings: {e}")))?;
+        cfg.events = events.map(link_events);
         let origin = cfg.name.clone();
         let client = py
             .detach(|| EphemeralCore::new(cfg))
@@ -1016,6 +1125,19 @@ impl EphemeralClient {
         d.set_item("failed_attempts", s.failed_attempts.load(Relaxed))?;
         d.set_item("unacked_bytes", self.client.unacked_bytes())?;
         Ok(d)
+    }
+
+    /// Returns once no publish is waiting for the hub's answer;
+    /// `Error::Timeout` naming what is in flight after `timeout_s` seconds
+    /// (None: no limit). Ctrl-C interrupts the wait.
+    #[pyo3(signature = (timeout_s = None))]
+    fn flush(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<()> {
+        flush_loop(
+            py,
+            timeout_s,
+            |slice| self.client.wait_idle(slice).is_empty(),
+            || keyop_core::federation::flush::describe(&self.client.in_flight()),
+        )
     }
 
     /// Closes the connection; pending publishes fail. Idempotent.

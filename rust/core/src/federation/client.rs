@@ -19,7 +19,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
 use super::link::{self, Inbound, OutChannel};
-use super::status::LinkStatus;
+use super::status::{LinkEvent, LinkStatus};
 use super::wire::{Handshake, CLOSE_NOT_ALLOWED, FEATURE_REFUSALS};
 use super::{HubEndpoint, Shared, HANDSHAKE_TIMEOUT};
 use crate::audit::AuditEvent;
@@ -30,6 +30,7 @@ use crate::storage::LogReader;
 /// A client link to one hub.
 pub struct ClientLink {
     addr: String,
+    publish: Vec<String>,
     status: Arc<LinkStatus>,
 }
 
@@ -58,11 +59,12 @@ impl ClientLink {
                 write_offset(&path, writer.committed_end()).map_err(|e| e.to_string())?;
             }
         }
-        let status = Arc::new(LinkStatus::default());
+        let status = Arc::new(LinkStatus::with_events(shared.events.clone()));
         let task = rt.spawn(dial_loop(shared, ep.clone(), tls, status.clone()));
         Ok((
             ClientLink {
                 addr: ep.addr,
+                publish: ep.publish,
                 status,
             },
             task,
@@ -72,6 +74,11 @@ impl ClientLink {
     /// The hub address dialed.
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// Channels forwarded to this hub.
+    pub fn publish(&self) -> &[String] {
+        &self.publish
     }
 
     /// Connection state and counters.
@@ -271,6 +278,9 @@ async fn dial_loop(
                 status.connected.store(true, Ordering::Release);
                 audit(&shared, "peer_connected", &ep.addr, String::new());
                 log::info!("client: connected to hub {}", ep.addr);
+                status.emit(LinkEvent::Connected {
+                    hub: ep.addr.clone(),
+                });
                 let refused = note_handshake_refusals(&shared, &ep, &welcome, &status);
                 let ended = match open_channels(&shared, &ep, &refused) {
                     Ok(out) => {
@@ -299,6 +309,10 @@ async fn dial_loop(
                 let Some(err) = ended else { return };
                 log::warn!("client: link to hub {} lost: {err}", ep.addr);
                 audit(&shared, "peer_disconnected", &ep.addr, format!("err={err}"));
+                status.emit(LinkEvent::Disconnected {
+                    hub: ep.addr.clone(),
+                    reason: err,
+                });
             }
             Err(e) => {
                 status.failed_attempts.fetch_add(1, Ordering::Relaxed);

@@ -25,8 +25,8 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
 use super::client::{connect_once, jittered, DialError, HubStream};
-use super::status::LinkStatus;
 use super::status::RefusalReason;
+use super::status::{LinkEvent, LinkStatus};
 use super::wire::{split_batch, Ack, Refused};
 use super::{
     runtime, tls, FedError, HubEndpoint, LinkSettings, TlsSettings, ACK_TIMEOUT, PING_INTERVAL,
@@ -53,6 +53,9 @@ pub struct EphemeralConfig {
     pub auto_reconnect: bool,
     /// Capacity of the outbound queue, in publish calls.
     pub buffer_messages: usize,
+    /// Receives connection and refusal events.
+    #[serde(skip)]
+    pub events: Option<super::status::EventSink>,
 }
 
 /// Receives every message the hub streams, one frame at a time.
@@ -107,6 +110,8 @@ struct Ctx {
     /// The channels the hub allows us to publish, from its latest handshake
     /// (`None`: unrestricted, or a 1.4 hub that does not say).
     publish_allowed: Mutex<Option<Vec<String>>>,
+    /// Publishes not yet answered by the hub: channel -> (records, bytes).
+    in_flight: super::flush::InFlightMap,
 }
 
 /// A storage-less hub client.
@@ -136,6 +141,7 @@ impl EphemeralClient {
             .client_config()
             .map_err(|e| FedError::Tls(e.to_string()))?;
         let (tx, rx) = mpsc::channel(cfg.buffer_messages.max(1));
+        let events = cfg.events.clone();
         Ok(EphemeralClient {
             owner: crate::fork::Owner::current(),
             rt: runtime()?,
@@ -143,11 +149,12 @@ impl EphemeralClient {
                 cfg,
                 tls: client_tls,
                 handler: Mutex::new(None),
-                status: Arc::new(LinkStatus::default()),
+                status: Arc::new(LinkStatus::with_events(events)),
                 cancel: CancellationToken::new(),
                 dead: AtomicBool::new(false),
                 last_error: Mutex::new(String::new()),
                 publish_allowed: Mutex::new(None),
+                in_flight: Mutex::new(Default::default()),
             }),
             queue: Mutex::new(Some(tx)),
             rx: Mutex::new(Some(rx)),
@@ -311,6 +318,8 @@ impl EphemeralClient {
         }
         let (done, wait) = oneshot::channel();
         let total = ids.len();
+        let _in_flight =
+            super::flush::InFlight::new(&self.ctx.in_flight, channel, total, body.len());
         match tx.try_send(Pending { body, ids, done }) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
@@ -353,6 +362,17 @@ impl EphemeralClient {
                 }
             ))),
         }
+    }
+
+    /// Publishes not yet answered by the hub, per channel.
+    pub fn in_flight(&self) -> Vec<super::flush::PendingForward> {
+        super::flush::in_flight(&self.ctx.in_flight, &self.ctx.cfg.hub.addr)
+    }
+
+    /// Waits up to `wait` for every publish in flight to be answered;
+    /// returns those still waiting (empty: none in flight).
+    pub fn wait_idle(&self, wait: Duration) -> Vec<super::flush::PendingForward> {
+        super::flush::wait_idle(&self.ctx.in_flight, &self.ctx.cfg.hub.addr, wait)
     }
 
     /// Stops the connection; pending publishes fail. Idempotent. In a
@@ -429,11 +449,17 @@ async fn run(
                     ctx.status.reconnects.fetch_add(1, Ordering::Relaxed);
                 }
                 ctx.status.connected.store(true, Ordering::Release);
+                let hub = ctx.cfg.hub.addr.clone();
+                ctx.status.emit(LinkEvent::Connected { hub: hub.clone() });
                 if let Some(r) = ready.take() {
                     let _ = r.send(Ok(()));
                 }
                 let why = serve(&ctx, ws, &mut rx).await;
                 ctx.status.connected.store(false, Ordering::Release);
+                if !ctx.cancel.is_cancelled() {
+                    let reason = why.clone();
+                    ctx.status.emit(LinkEvent::Disconnected { hub, reason });
+                }
                 why
             }
             Err(e) => {
@@ -632,8 +658,17 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
                         .filter(|r| ids.contains(&r.id))
                         .cloned()
                         .collect();
+                    let mut counts: std::collections::BTreeMap<&str, u64> = Default::default();
                     for r in &mine {
                         ctx.status.count_refused(&r.channel, 1);
+                        *counts.entry(r.channel.as_str()).or_insert(0) += 1;
+                    }
+                    for (channel, count) in counts {
+                        ctx.status.emit(LinkEvent::Refused {
+                            hub: ctx.cfg.hub.addr.clone(),
+                            channel: channel.to_owned(),
+                            count,
+                        });
                     }
                     let _ = w.send(Ok(mine));
                 }

@@ -536,6 +536,7 @@ fn note_refusals(
     refused: &[Refused],
     warned: &mut HashSet<String>,
 ) {
+    let mut counts: std::collections::BTreeMap<&str, u64> = Default::default();
     for r in refused {
         let channel = if r.channel.is_empty() {
             sent_channel
@@ -544,6 +545,7 @@ fn note_refusals(
         };
         if let Some(s) = status {
             s.count_refused(channel, 1);
+            *counts.entry(channel).or_insert(0) += 1;
         }
         if warned.insert(channel.to_owned()) {
             log::warn!(
@@ -559,6 +561,15 @@ fn note_refusals(
         ev.peer = peer.to_owned();
         ev.detail = format!("reason={}", r.reason);
         shared.audit.log(ev);
+    }
+    for (channel, count) in counts {
+        if let Some(s) = status {
+            s.emit(super::status::LinkEvent::Refused {
+                hub: peer.to_owned(),
+                channel: channel.to_owned(),
+                count,
+            });
+        }
     }
 }
 

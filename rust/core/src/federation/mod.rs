@@ -11,6 +11,7 @@
 pub mod client;
 pub mod conns;
 pub mod ephemeral;
+pub mod flush;
 pub mod hub;
 pub mod link;
 pub mod status;
@@ -177,6 +178,9 @@ pub struct FedConfig {
     pub seen_id_lru_size: usize,
     pub audit_max_size_mb: u64,
     pub audit_max_files: u32,
+    /// Receives the client links' connection and refusal events.
+    #[serde(skip)]
+    pub events: Option<status::EventSink>,
 }
 
 /// Liveness settings (not configurable in 1.4; fixed here).
@@ -225,6 +229,8 @@ pub struct Shared {
     pub audit: Arc<AuditLog>,
     pub link: LinkSettings,
     pub cancel: CancellationToken,
+    /// Client links' events for the application (see [`status::LinkEvent`]).
+    pub events: Option<status::EventSink>,
 }
 
 impl Shared {
@@ -293,6 +299,7 @@ impl Federation {
             audit: Arc::new(audit),
             link: cfg.federation.clone(),
             cancel: CancellationToken::new(),
+            events: cfg.events.clone(),
         });
         let mut fed = Federation {
             rt: rt.clone(),
@@ -383,6 +390,12 @@ impl Federation {
     /// Client links, one per configured hub.
     pub fn clients(&self) -> &[client::ClientLink] {
         &self.clients
+    }
+
+    /// What `flush()` waits for: every (hub, channel) this instance forwards,
+    /// with the channel's committed end as of now.
+    pub fn flush_targets(&self) -> Vec<flush::FlushTarget> {
+        flush::targets(&self.shared, &self.clients)
     }
 
     /// Stops every task and closes every connection (bounded wait), then the audit log.

@@ -51,9 +51,57 @@ impl RefusalReason {
     }
 }
 
+/// A change of a client link the application may want to hear about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkEvent {
+    /// The handshake with `hub` completed.
+    Connected { hub: String },
+    /// The connection to `hub` was lost (it is dialed again with backoff).
+    Disconnected { hub: String, reason: String },
+    /// `hub` refused `count` records of `channel` in one acknowledgement.
+    Refused {
+        hub: String,
+        channel: String,
+        count: u64,
+    },
+}
+
+/// Where link events go: a bounded queue read by the application's thread
+/// (a slow callback never stalls a link; overflow is counted and logged).
+#[derive(Clone)]
+pub struct EventSink(std::sync::mpsc::SyncSender<LinkEvent>);
+
+impl std::fmt::Debug for EventSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EventSink")
+    }
+}
+
+impl EventSink {
+    /// A sink holding up to `capacity` undelivered events, and its receiver
+    /// (which ends once every sink clone is dropped).
+    pub fn new(capacity: usize) -> (EventSink, std::sync::mpsc::Receiver<LinkEvent>) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(capacity.max(1));
+        (EventSink(tx), rx)
+    }
+
+    /// Queues `ev`; a full queue drops it (logged, rate-limited).
+    pub fn emit(&self, ev: LinkEvent) {
+        static DROPPED: crate::lograte::RateLimit =
+            crate::lograte::RateLimit::new(std::time::Duration::from_secs(10));
+        if let Err(std::sync::mpsc::TrySendError::Full(ev)) = self.0.try_send(ev) {
+            if let Some(more) = DROPPED.check() {
+                log::warn!("link event dropped, the callbacks are behind: {ev:?} ({more} more since the last report)");
+            }
+        }
+    }
+}
+
 /// State of one client link (durable or ephemeral), readable from any thread.
 #[derive(Debug, Default)]
 pub struct LinkStatus {
+    /// Connection and refusal events for the application, if it listens.
+    pub events: Option<EventSink>,
     pub connected: AtomicBool,
     /// Successful connections after the first.
     pub reconnects: AtomicU64,
@@ -73,6 +121,21 @@ pub struct LinkStatus {
 }
 
 impl LinkStatus {
+    /// A fresh status whose events go to `events`.
+    pub fn with_events(events: Option<EventSink>) -> LinkStatus {
+        LinkStatus {
+            events,
+            ..LinkStatus::default()
+        }
+    }
+
+    /// Reports `ev` to the application, if it listens.
+    pub fn emit(&self, ev: LinkEvent) {
+        if let Some(sink) = &self.events {
+            sink.emit(ev);
+        }
+    }
+
     /// Counts `n` records of `channel` refused by the hub.
     pub fn count_refused(&self, channel: &str, n: u64) {
         *self

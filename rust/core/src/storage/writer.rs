@@ -558,25 +558,56 @@ impl ChannelWriter {
     /// Relaxed mode: fdatasync the active segment if anything was written
     /// since the last sync. Errors are logged, as nothing waits on them.
     pub fn sync_if_dirty(&self) {
+        if let Err(e) = self.sync_once() {
+            log::error!("channel {:?}: periodic fdatasync failed: {e}", self.channel);
+        }
+    }
+
+    /// One relaxed-mode sync of what was written since the last one.
+    fn sync_once(&self) -> io::Result<()> {
         if !self.unsynced.swap(false, Ordering::AcqRel) {
-            return;
+            return Ok(());
         }
         let (file, end) = {
             let st = self.lock();
             (st.sync_file.clone(), self.committed_end())
         };
         let Some(file) = file else {
-            return; // closed: the last sync was done then
+            return Ok(()); // closed: the last sync was done then
         };
         match file.get().and_then(|f| self.sync(&f)) {
             Ok(()) => {
                 self.durable_end.fetch_max(end, Ordering::AcqRel);
+                Ok(())
             }
             Err(e) => {
                 self.unsynced.store(true, Ordering::Release);
-                log::error!("channel {:?}: periodic fdatasync failed: {e}", self.channel);
+                Err(e)
             }
         }
+    }
+
+    /// Makes everything committed so far durable: in relaxed mode fdatasyncs
+    /// now (or waits for the periodic sync already under way); in durable
+    /// mode every commit already was. A failed fdatasync is returned.
+    pub fn sync_committed(&self) -> io::Result<()> {
+        if self.cfg.durable {
+            return Ok(());
+        }
+        let target = self.committed_end();
+        // Bounded: a periodic sync in progress ends within one fdatasync.
+        for _ in 0..30_000 {
+            self.sync_once()?;
+            if self.durable_end.load(Ordering::Acquire) >= target || self.lock().sync_file.is_none()
+            {
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("channel {:?}: fdatasync did not complete", self.channel),
+        ))
     }
 
     /// Test hook: a power loss. Stops the writer and cuts the active segment
