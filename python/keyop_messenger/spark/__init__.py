@@ -81,6 +81,9 @@ Read options
     ``payload`` column then is a struct of those fields parsed from the JSON (missing
     keys and values that do not fit their type are null, as with Spark's permissive
     ``from_json``; ``NOT NULL`` constraints are dropped) instead of the JSON string.
+    A missing data directory raises :class:`~keyop_messenger.errors.DataDirNotFoundError`,
+    a missing channel :class:`~keyop_messenger.errors.ChannelNotFoundError`;
+    ``allowMissing=true`` reads them as empty instead.
 
     Columns: ``id``, ``ts`` (timestamp; nanoseconds truncated to microseconds),
     ``channel``, ``origin``, ``payload_type``, ``service_name``, ``correlation_id``
@@ -108,7 +111,15 @@ Streaming read
     stopped. Use an id no subscriber uses; when the query is retired, delete the
     file with ``Messenger.unsubscribe(channel, id)`` (or let
     ``subscribers.offset_ttl`` expire it). Without it, segments that retention
-    deletes before a batch reads them are skipped.
+    deletes before a batch reads them raise
+    :class:`~keyop_messenger.errors.DataLossError` (``failOnDataLoss``, default
+    true, like Spark's Kafka source); ``failOnDataLoss=false`` skips them with a
+    WARNING (the reader counts the bytes lost). ``earliest`` starts at the oldest
+    record still stored.
+
+Options are checked: an unknown or misspelled option raises, naming the valid
+ones and the closest match; a value of the wrong type raises naming the option,
+the value and the type expected.
 
 Streaming write
     Same options as the batch write. At-least-once: a micro-batch whose tasks are

@@ -23,7 +23,13 @@ from pyspark.sql.types import (
 )
 
 from .mapping import json_to_spark
-from .options import ENVELOPE_COLUMNS, Options, check_channel, check_subscriber_id
+from .options import (
+    ENVELOPE_COLUMNS,
+    READ_OPTIONS,
+    Options,
+    check_channel,
+    check_subscriber_id,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
@@ -199,10 +205,13 @@ class ReadSpec:
     max_partition_bytes: int
     schema: StructType
     retain_as: str | None = None
+    fail_on_data_loss: bool = True
+    allow_missing: bool = False
 
     @classmethod
     def from_options(cls, options: Any, schema: StructType) -> ReadSpec:
         o = Options(options)
+        o.check_known(READ_OPTIONS, "read")
         # Absolute, resolved on the driver: executors may run in another directory.
         data_dir = os.path.abspath(o.required("data_dir", "the data directory to read"))
         channel = o.required("channel", "the channel to read")
@@ -228,7 +237,15 @@ class ReadSpec:
             o.integer("max_partition_bytes", 0),
             schema,
             retain_as,
+            o.boolean("failOnDataLoss", True),
+            o.boolean("allowMissing", False),
         )
+
+    def exists(self) -> bool:
+        """Whether the channel exists: raises :class:`DataDirNotFoundError` or
+        :class:`ChannelNotFoundError` when the data directory or the channel
+        is missing, unless ``allowMissing`` (then False: read nothing)."""
+        return check_exists(self.data_dir, self.channel, allow_missing=self.allow_missing)
 
     def start(self) -> int:
         if self.start_offset == "earliest":
@@ -293,10 +310,34 @@ def _read_partition(
         yield pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
 
 
+def check_exists(data_dir: str, channel: str, *, allow_missing: bool) -> bool:
+    """True if ``channel`` exists in ``data_dir``. A missing data directory
+    raises :class:`DataDirNotFoundError`, a missing channel
+    :class:`ChannelNotFoundError` (a misspelled path must not read as an
+    empty channel); with ``allow_missing`` both return False instead."""
+    from ..errors import ChannelNotFoundError, DataDirNotFoundError
+
+    if not os.path.isdir(data_dir):
+        if allow_missing:
+            return False
+        raise DataDirNotFoundError(
+            f"keyop data source: data directory {data_dir!r} does not exist; check the "
+            "option 'data_dir' (or set allowMissing=true to read it as empty)"
+        )
+    if not _channel_dir(data_dir, channel).is_dir():
+        if allow_missing:
+            return False
+        raise ChannelNotFoundError(
+            f"keyop data source: channel {channel!r} does not exist in {data_dir!r}; check "
+            "the option 'channel' (or set allowMissing=true to read it as empty)"
+        )
+    return True
+
+
 class BatchReader(DataSourceReader):
     def __init__(self, spec: ReadSpec) -> None:
         self.spec = spec
-        self.end = stream_end(spec.data_dir, spec.channel)
+        self.end = stream_end(spec.data_dir, spec.channel) if spec.exists() else 0
 
     def partitions(self) -> Sequence[InputPartition]:
         parts = self.spec.partitions(self.spec.start(), self.end)

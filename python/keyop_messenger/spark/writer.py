@@ -29,6 +29,7 @@ from .options import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_LOCK_TIMEOUT_S,
     DEFAULT_RETRIES,
+    WRITE_OPTIONS,
     Options,
     check_channel,
 )
@@ -82,6 +83,7 @@ class WriteSpec:
         from ..config import load_config
 
         o = Options(options)
+        o.check_known(WRITE_OPTIONS, "write")
         channel = o.required("channel", "the channel to publish to")
         check_channel(channel, publish=True)
         payload_type = o.get("payload_type")
