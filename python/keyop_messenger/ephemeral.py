@@ -8,11 +8,12 @@ message and acknowledged it; without a connection it raises
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import _core
@@ -162,16 +163,25 @@ class EphemeralMessenger(_SyncContext):
         *,
         service_name: str | None = None,
         correlation_id: str | None = None,
+        ids: Sequence[str] | None = None,
     ) -> list[str]:
         """Publishes ``(payload_type, payload)`` pairs in one frame; returns
         their ids once the hub committed and acknowledged the frame.
 
         Raises :class:`PolicyError` when the hub refuses any of them (see
-        :meth:`publish`); the others may have been stored."""
+        :meth:`publish`); the others may have been stored.
+
+        ``ids``: one id per item, chosen by the caller (1-64 bytes of
+        ``A-Za-z0-9-_.:``; :class:`InvalidNameError` otherwise): the hub drops
+        a record whose id it has seen recently (``dedup.seen_id_lru_size``),
+        so a batch sent again with the same ids is stored once. Default: new ids."""
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
-        return send_batch(self._client.publish_batch, channel, pairs, service, corr, to_plain)
+        send = self._client.publish_batch
+        if ids is not None:
+            send = functools.partial(send, ids=list(ids))
+        return send_batch(send, channel, pairs, service, corr, to_plain)
 
     def status(self) -> dict[str, Any]:
         """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``,

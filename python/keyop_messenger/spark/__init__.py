@@ -57,8 +57,20 @@ Write options
 
     The save mode must be ``append`` (channels are append-only; ``overwrite`` is
     refused). A failed task fails the job: the driver raises with the partition's
-    error, which says how many rows that partition had already committed. Delivery
-    is at-least-once: a retried task publishes its chunks again.
+    error, which says how many rows that partition had already committed.
+
+    Exactly once (for a deterministic input: the same rows in the same order in
+    every attempt of a task): row ``i`` of partition ``p`` is published with the
+    message id ``<job>:<p>:<i>``, where ``<job>`` is made once per write job (on
+    the driver); every attempt of a task, retried or speculative, writes the same
+    ids. Through a hub, the hub drops a record whose id it saw recently (its
+    ``dedup.seen_id_lru_size`` most recent ids, while it runs). Into a
+    ``data_dir``, a task first reads its progress file
+    ``<data_dir>/spark-progress/<job>/<partition>.json`` (``{"rows", "offset"}``,
+    written under the directory lock before the first chunk and after each
+    committed chunk), scans the channel from that offset for ids of its job and
+    partition, and resumes after the last row found; the job's folder is removed
+    when the job commits (or, for a batch job, aborts).
 
 Row to payload
     Each row becomes a JSON object keyed by column name, nested structs as objects,
@@ -122,14 +134,21 @@ ones and the closest match; a value of the wrong type raises naming the option,
 the value and the type expected.
 
 Streaming write
-    Same options as the batch write. At-least-once: a micro-batch whose tasks are
-    retried, or that is replayed after a restart, is published again. Message ids are
-    new on every attempt, but unless ``correlation_id`` or ``correlation_id_column``
-    is set, every chunk carries the deterministic correlation id
-    ``spark:<query id>:<batch id>:<partition id>:<chunk index>``, stable across task
-    retries and restarts from the checkpoint (for a deterministic input). A chunk is
-    committed all or nothing and contiguously, so a receiver drops duplicates by
-    keeping only the first run of messages with a given correlation id.
+    Same options as the batch write, and exactly once in the same way: the job of
+    a micro-batch is ``s<first 16 hex digits of the query id>.<batch id>``, the
+    same when the batch is replayed after a restart from the checkpoint. Unless
+    ``correlation_id`` or ``correlation_id_column`` is set, every chunk carries the
+    correlation id ``spark:<query id>:<batch id>:<partition id>:<chunk index>``.
+
+Counts
+    Each task's commit message (:class:`PartitionCommit`) carries the rows of its
+    partition committed (``rows``; ``skipped``: those an earlier attempt had
+    committed). The driver logs the job's total at INFO and writes it to
+    ``report_path`` (JSON: ``status``, ``rows``, ``partitions``, ...). A channel is
+    an append-only log: an aborted job cannot take back what its tasks committed;
+    its report says so in ``rows_committed_by_failed_partitions`` (from the
+    progress files for ``data_dir``; through a hub each failed task's error
+    says how many rows it committed).
 
 Executors run the publishing and reading code in forked Python workers: the
 classes here are pickled by reference and import :mod:`keyop_messenger` there;
