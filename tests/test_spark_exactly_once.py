@@ -80,15 +80,16 @@ class FailOnce:
     at ``n == FAIL_AT``, it waits (bounded) until ``committed()`` sees at
     least one chunk of partition 0 stored, then raises."""
 
-    def __init__(self, committed: Callable[[], int]) -> None:
+    def __init__(self, committed: Callable[[], int], always: bool = False) -> None:
         self.committed = committed
+        self.always = always
 
     def __call__(self, n: int) -> str:
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
         if n == FAIL_AT and ctx is not None and ctx.partitionId() == 0:
-            if ctx.attemptNumber() == 0:
+            if ctx.attemptNumber() == 0 or self.always:
                 deadline = time.monotonic() + WAIT_S
                 while self.committed() < BATCH and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -124,13 +125,15 @@ class HubCommitted:
         )
 
 
-def failing_frame(spark: SparkSession, committed: Callable[[], int]) -> Any:
+def failing_frame(
+    spark: SparkSession, committed: Callable[[], int], always: bool = False
+) -> Any:
     """``ROWS`` rows in 2 partitions (columns n, part, pad), partition 0's
-    first attempt failing after a committed chunk."""
+    first attempt (every attempt if ``always``) failing after a committed chunk."""
     from pyspark.sql.functions import udf
 
     df = spark.range(0, ROWS, 1, 2).selectExpr("id AS n", "spark_partition_id() AS part")
-    return df.withColumn("pad", udf(FailOnce(committed), "string")("n"))
+    return df.withColumn("pad", udf(FailOnce(committed, always), "string")("n"))
 
 
 def check_ids(ids: list[str], job_rows: dict[int, int]) -> None:
@@ -182,6 +185,32 @@ def test_retried_task_writes_each_row_once_to_data_dir(
     assert first["attempt"] == 1 and first["skipped"] >= BATCH
     assert first["rows"] == per_part[0]
     assert not (data_dir / "spark-progress" / counts["partitions"][0]["job"]).exists()
+
+
+def test_aborted_job_reports_the_rows_it_committed(spark: SparkSession, tmp_path: Path) -> None:
+    data_dir, report = tmp_path / "data", tmp_path / "report.json"
+    df = failing_frame(spark, DirCommitted(data_dir, "aborted"), always=True)
+    with pytest.raises(Exception, match="injected failure"):
+        (
+            df.write.format("keyop")
+            .mode("append")
+            .option("data_dir", str(data_dir))
+            .option("channel", "aborted")
+            .option("payload_type", "t")
+            .option("batch_size", str(BATCH))
+            .option("report_path", str(report))
+            .save()
+        )
+    records = list(_core.read_channel(str(data_dir), "aborted"))
+    part0 = sum(1 for r in records if r[9]["part"] == 0)
+    assert part0 >= BATCH, "the failing partition committed chunks"
+    counts = json.loads(report.read_text())
+    assert counts["status"] == "aborted"
+    # Every row in the channel is accounted for: finished tasks plus failed ones.
+    assert counts["rows"] + counts["rows_committed_by_failed_partitions"] == len(records)
+    assert counts["rows_committed_by_failed_partitions"] >= part0
+    # Two attempts of partition 0, one copy of each row.
+    assert len({r[2] for r in records}) == len(records)
 
 
 @pytest.fixture(scope="module")
