@@ -237,7 +237,7 @@ def test_instance_certificate_with_cryptography(
     assert ca_key.curve.name == "secp384r1"
 
 
-@pytest.mark.parametrize("days", [10, 0, -1])
+@pytest.mark.parametrize("days", [1, 10])
 def test_days_are_honoured(
     ca: tuple[Path, Path], capsys: pytest.CaptureFixture[str], days: int
 ) -> None:

@@ -39,7 +39,7 @@ storage:
   data_dir: /var/lib/keyop/billing
   sync_interval_ms: 0
   max_subscriber_lag_mb: 512
-  compaction_threshold_mb: 256     # = segment size in MiB
+  segment_size_mb: 256             # 1.4 name: compaction_threshold_mb
   offset_flush_interval_ms: 0
 subscribers:
   max_retries: 5
@@ -113,9 +113,11 @@ def test_section_defaults_match_spec() -> None:
         data_dir="",
         sync_interval_ms=0,
         max_subscriber_lag_mb=512,
-        compaction_threshold_mb=256,
+        segment_size_mb=None,
+        compaction_threshold_mb=None,
         offset_flush_interval_ms=0,
     )
+    assert StorageConfig().segment_mb() == 256
     assert SubscribersConfig().max_retries == 5
     hub = HubConfig()
     assert hub.enabled is False
@@ -163,12 +165,12 @@ def test_null_sections_and_values_take_defaults() -> None:
     cfg = Config.from_dict(
         {
             "name": "n",
-            "storage": {"data_dir": "/d", "compaction_threshold_mb": None},
+            "storage": {"data_dir": "/d", "segment_size_mb": None},
             "hub": None,
             "federation": {"reconnect_jitter": None},
         }
     )
-    assert cfg.storage.compaction_threshold_mb == 256
+    assert cfg.storage.segment_mb() == 256
     assert cfg.hub == HubConfig()
     assert cfg.federation.reconnect_jitter == 0.2
 
@@ -183,7 +185,7 @@ def test_full_example_loads(tmp_path: Path) -> None:
         data_dir="/var/lib/keyop/billing",
         sync_interval_ms=0,
         max_subscriber_lag_mb=512,
-        compaction_threshold_mb=256,
+        segment_size_mb=256,
         offset_flush_interval_ms=0,
     )
     assert cfg.subscribers.max_retries == 5
@@ -432,8 +434,8 @@ def test_out_of_range_values(section: str, key: str, value: Any) -> None:
 @pytest.mark.parametrize(
     ("section", "key", "value"),
     [
-        ("storage", "compaction_threshold_mb", 0),
-        ("storage", "compaction_threshold_mb", -1),
+        ("storage", "segment_size_mb", 0),
+        ("storage", "segment_size_mb", -1),
         ("storage", "max_subscriber_lag_mb", -1),
         ("storage", "max_subscriber_lag_mb", 0),
         ("storage", "sync_interval_ms", 100),
@@ -621,7 +623,7 @@ def test_unknown_keys_reported_at_every_level() -> None:
     ])
     assert all("unknown key" in p for p in problems)
     segment = next(p for p in problems if p.startswith("storage.max_segment_bytes"))
-    assert "compaction_threshold_mb" in segment
+    assert "segment_size_mb" in segment
     typo = next(p for p in problems if p.startswith("hub.allowed_peers[0].pubish"))
     assert "publish" in typo
 
@@ -634,7 +636,7 @@ def test_unknown_keys_reported_at_every_level() -> None:
     [
         ("storage", "sync_interval_ms", "100"),
         ("storage", "sync_interval_ms", True),
-        ("storage", "compaction_threshold_mb", 1.5),
+        ("storage", "segment_size_mb", 1.5),
         ("storage", "data_dir", 5),
         ("subscribers", "max_retries", "5"),
         ("subscribers", "max_retries", False),
@@ -802,7 +804,7 @@ def test_round_trip_full_example(tmp_path: Path) -> None:
 def test_round_trip_non_default_values() -> None:
     cfg = Config(
         name="x",
-        storage=StorageConfig(data_dir="/d", sync_interval_ms=50, compaction_threshold_mb=-1),
+        storage=StorageConfig(data_dir="/d", sync_interval_ms=50, segment_size_mb=-1),
         subscribers=SubscribersConfig(max_retries=0),
         hub=HubConfig(fed_client_offset_ttl=td(hours=-1, minutes=-30)),
         tls=TLSConfig(min_version="1.2", expiry_warn_days=0),
@@ -821,12 +823,13 @@ def test_to_dict_yaml_shape_has_every_key() -> None:
     d = Config(name="n").to_dict()
     assert set(d) == {
         "name", "storage", "subscribers", "hub", "client", "tls", "federation", "dedup", "audit",
-        "metrics",
+        "metrics", "retention",
     }
     assert set(d["storage"]) == {
         "data_dir", "sync_interval_ms", "max_subscriber_lag_mb",
-        "compaction_threshold_mb", "offset_flush_interval_ms",
+        "segment_size_mb", "compaction_threshold_mb", "offset_flush_interval_ms",
     }
+    assert set(d["retention"]) == {"max_age", "max_bytes", "channels"}
     assert d["hub"]["fed_client_offset_ttl"] == "168h0m0s"
 
 

@@ -55,6 +55,7 @@ from fed_helpers import (
 )
 from keyop_messenger import (
     BufferFullError,
+    ClosedError,
     Config,
     ConnectionLostError,
     EphemeralMessenger,
@@ -595,9 +596,10 @@ def test_close_fails_pending_publishes(hub_and_client: HubAndClient) -> None:
         p.wait(PROMPT_S)
         assert isinstance(p.error, ConnectionLostError), p.error
     bounded(eph.close)  # idempotent
-    with pytest.raises(KeyopError):
+    with pytest.raises(ClosedError):
         bounded(lambda: eph.publish("temps", "test.Reading", {}))
-    assert eph.status()["connected"] is False
+    with pytest.raises(ClosedError):
+        eph.status()
 
 
 def test_close_interrupts_a_waiting_connect(
@@ -627,7 +629,8 @@ def test_context_manager_connects_and_closes(pki: PKI, tmp_path: Path, start: St
         wait_peers(hub, "node1")
         msg_id = eph.publish("temps", "test.Reading", {})
     assert stored_ids(hub_dir, "temps") == [msg_id]
-    assert eph.status()["connected"] is False
+    with pytest.raises(ClosedError):  # closed on exit: no method answers any more
+        eph.status()
     wait_peers(hub)
     eph.close()  # closing again is fine
 
@@ -636,7 +639,8 @@ def test_context_manager_connects_and_closes(pki: PKI, tmp_path: Path, start: St
         wait_peers(hub, "node1")
         raise RuntimeError("inside")
     wait_peers(hub)
-    assert eph2.status()["connected"] is False
+    with pytest.raises(ClosedError):
+        eph2.status()
 
     # Entering with the hub down raises from connect().
     down = eph_config(pki, tmp_path, free_port())

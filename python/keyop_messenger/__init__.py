@@ -16,7 +16,7 @@ from .config import (
     TLSConfig,
     load_config,
 )
-from .context import context
+from .context import context, current_context
 from .ephemeral import EphemeralMessenger
 from .errors import (
     BufferFullError,
@@ -34,6 +34,7 @@ from .errors import (
     KeyopError,
     KeyopTimeoutError,
     MessageTooLargeError,
+    MetricsError,
     PayloadTypeError,
     PolicyError,
     StorageError,
@@ -41,6 +42,7 @@ from .errors import (
 )
 from .message import LogEntry, Message
 from .messenger import Messenger, read_channel
+from .payloads import PayloadRegistry
 from .stats import (
     ChannelStats,
     FederationStats,
@@ -51,7 +53,7 @@ from .stats import (
     SubscriberStats,
     Totals,
 )
-from .subscription import Subscription
+from .subscription import Handler, Subscription
 
 __all__ = [
     "AllowedPeer",
@@ -74,6 +76,7 @@ __all__ = [
     "FederationError",
     "FederationStats",
     "ForkedProcessError",
+    "Handler",
     "HubConfig",
     "HubEndpoint",
     "HubLinkStats",
@@ -87,6 +90,8 @@ __all__ = [
     "MessageTooLargeError",
     "Messenger",
     "MetricsConfig",
+    "MetricsError",
+    "PayloadRegistry",
     "PayloadTypeError",
     "PolicyError",
     "Stats",
@@ -100,6 +105,7 @@ __all__ = [
     "Totals",
     "__version__",
     "context",
+    "current_context",
     "load_config",
     "read_channel",
 ]

@@ -3,10 +3,48 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from .errors import ClosedError
 
 C = TypeVar("C", bound="_SyncContext")
+T = TypeVar("T", bound=type)
+
+
+def refuse_when_closed(
+    is_closed: Callable[[Any], bool], what: Callable[[Any], str], *, exempt: tuple[str, ...] = ()
+) -> Callable[[T], T]:
+    """Class decorator: every public method defined in the class (``close``
+    and ``exempt`` aside) raises :class:`ClosedError` once ``is_closed(self)``
+    is true, before doing anything (generator methods too, at the call).
+    Methods added later are covered without a change here; properties,
+    static and class methods are left alone."""
+
+    def decorate(cls: T) -> T:
+        for name, member in list(vars(cls).items()):
+            if name.startswith("_") or name == "close" or name in exempt:
+                continue
+            if inspect.isfunction(member):
+                setattr(cls, name, _guarded(member, is_closed, what))
+        return cls
+
+    return decorate
+
+
+def _guarded(
+    method: Callable[..., Any], is_closed: Callable[[Any], bool], what: Callable[[Any], str]
+) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_closed(self):
+            raise ClosedError(f"{what(self)} is closed: {method.__name__}() cannot be called")
+        return method(self, *args, **kwargs)
+
+    return guarded
 
 
 class _SyncContext:

@@ -18,8 +18,10 @@ __all__ = [
     "inspect_cert",
     "keygen_ca",
     "keygen_instance",
+    "loss_counts",
     "read_channel",
     "validate_channel",
+    "validate_payload_type",
 ]
 
 __version__: str
@@ -48,7 +50,32 @@ class MessengerBase:
         *,
         service_name: str | None = None,
         correlation_id: str | None = None,
-    ) -> str: ...
+    ) -> str:
+        """Publishes one message and returns its id once it is committed.
+
+        Committed means fdatasynced with ``storage.sync_interval_ms: 0`` (concurrent
+        publishers on a channel share one write and one fdatasync), or written to the file
+        with ``sync_interval_ms > 0`` (a timer fdatasyncs). The GIL is released while it waits.
+
+        Args:
+            channel: the channel to append to (a valid name, not a ``.dead-letter`` channel).
+            payload_type: the payload's type name; a registered name checks ``payload``
+                against its class, any other name accepts any JSON value.
+            payload: the message body.
+            service_name: overrides the ``service_name`` of :func:`keyop_messenger.context`.
+            correlation_id: overrides the ``correlation_id`` of :func:`keyop_messenger.context`.
+
+        Returns:
+            The message id (a UUIDv7).
+
+        Raises:
+            InvalidNameError: the channel name is not allowed.
+            PayloadTypeError: the payload does not match its registered type.
+            MessageTooLargeError: the encoded message is over 10 MiB.
+            StorageError: the message was not committed.
+            ClosedError: the messenger is closed.
+        """
+        ...
 
 @final
 class Engine:
@@ -72,7 +99,9 @@ class Engine:
         ids: list[str] | None = None,
     ) -> list[str]: ...
     def stream_end(self, channel: str) -> int: ...
-    def read(self, channel: str, start_offset: int = 0) -> RecordIter: ...
+    def read(
+        self, channel: str, start_offset: int = 0, *, skip_gaps: bool = False
+    ) -> RecordIter: ...
     def subscribe(
         self,
         channel: str,
@@ -83,13 +112,25 @@ class Engine:
         offset_flush_interval_ms: int = 0,
         backoff_base_ms: int = 100,
         backoff_max_ms: int = 5000,
+        on_gap: Callable[[int, int], object] | None = None,
     ) -> Subscription: ...
     def unsubscribe(self, channel: str, subscriber_id: str) -> None: ...
     def start_retention(
-        self, interval_ms: int, max_lag_bytes: int | None = None, offset_ttl_ms: int | None = None
+        self,
+        interval_ms: int,
+        max_lag_bytes: int | None = None,
+        offset_ttl_ms: int | None = None,
+        max_age_ms: int | None = None,
+        max_bytes: int | None = None,
+        channels: Mapping[str, tuple[int | None, int | None]] | None = None,
     ) -> None: ...
     def compact(
-        self, max_lag_bytes: int | None = None, offset_ttl_ms: int | None = None
+        self,
+        max_lag_bytes: int | None = None,
+        offset_ttl_ms: int | None = None,
+        max_age_ms: int | None = None,
+        max_bytes: int | None = None,
+        channels: Mapping[str, tuple[int | None, int | None]] | None = None,
     ) -> dict[str, tuple[int, int, list[str]]]: ...
     def start_federation(self, settings_json: str) -> None: ...
     @property
@@ -136,9 +177,11 @@ class EphemeralClient:
     def close(self) -> None: ...
 
 def validate_channel(name: str) -> None: ...
+def validate_payload_type(name: str) -> None: ...
 def read_channel(
-    data_dir: str | PathLike[str], channel: str, start_offset: int = 0
+    data_dir: str | PathLike[str], channel: str, start_offset: int = 0, *, skip_gaps: bool = False
 ) -> RecordIter: ...
+def loss_counts() -> dict[str, int]: ...
 def keygen_ca(
     out_cert: str | PathLike[str] = ...,
     out_key: str | PathLike[str] = ...,

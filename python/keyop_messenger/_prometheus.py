@@ -27,7 +27,7 @@ _Labels = tuple[tuple[str, str], ...]
 
 
 def _escape_label(value: str) -> str:
-    """A label value as the text format wants it: ``\\``, ``"`` and newline escaped."""
+    r"""A label value as the text format wants it: ``\``, ``"`` and newline escaped."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
@@ -124,6 +124,21 @@ def render(stats: Stats) -> str:
         "gauge",
         "Channels in the data directory.",
         [((), stats.totals.channels)],
+    )
+    loss = stats.data_loss
+    out.family(
+        "keyop_data_loss_total",
+        "counter",
+        "Data loss readers met in this process, by kind: gap (a reader's position "
+        "pointed into bytes that were gone) or quarantined (an unreadable record "
+        "copied aside and passed over).",
+        [((("kind", "gap"),), loss.gaps), ((("kind", "quarantined"),), loss.quarantined)],
+    )
+    out.family(
+        "keyop_data_loss_bytes_total",
+        "counter",
+        "Bytes in the gaps readers met in this process.",
+        [((), loss.gap_bytes)],
     )
     stages = sorted(stats.latency.items())
     out.family(

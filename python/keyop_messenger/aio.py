@@ -60,7 +60,7 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -98,7 +98,7 @@ _LOOP_CHECK_S = 0.25
 AsyncHandler = Callable[[Message], Awaitable[Any]]
 """An ``async def handler(msg)``: returning acknowledges, raising means retry."""
 
-ConfigLike = Config | str | os.PathLike[str]
+ConfigLike = Config | Mapping[str, Any] | str | os.PathLike[str]
 
 # Set inside handler coroutines, so close() called from a handler does not wait
 # for that very handler (which would never finish).
@@ -468,7 +468,12 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         return self._require().config
 
     async def subscribe(
-        self, channel: str, subscriber_id: str, handler: AsyncHandler
+        self,
+        channel: str,
+        subscriber_id: str,
+        handler: AsyncHandler,
+        *,
+        on_gap: Callable[[str, str, int, int], Any] | None = None,
     ) -> AsyncSubscription:
         """Delivers ``channel`` to the ``async def`` ``handler`` as subscriber
         ``subscriber_id``, on the running event loop.
@@ -477,10 +482,12 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         current end, a known id resumes from its offset file; returning
         acknowledges, raising retries with backoff and eventually
         dead-letters. One message at a time per subscription, in order.
+        ``on_gap`` (a plain function, called on an engine thread) is told of
+        data gone before it was read, as with :meth:`Messenger.subscribe`.
         """
         sync = self._require()
         bridge = self._bridge(handler, f"{channel}/{subscriber_id}")
-        core = await self._run(sync.subscribe, channel, subscriber_id, bridge)
+        core = await self._run(sync.subscribe, channel, subscriber_id, bridge, on_gap=on_gap)
         sub = AsyncSubscription(self, core, bridge, channel)
         bridge.subscription = sub
         return sub

@@ -112,6 +112,8 @@ class Suite:
         return str(self.root / f"{name}-{self._n}")
 
     def messenger(self, sync_interval_ms: int, **extra: Any) -> Any:
+        """A messenger for one case, in a fresh data directory, with ``sync_interval_ms``; ``extra``
+        adds configuration sections."""
         import keyop_messenger as km
 
         doc: dict[str, Any] = {
@@ -220,6 +222,7 @@ class Suite:
         return (time.perf_counter() - started) * 1e6 / hops
 
     def publish_threads(self, threads: int) -> Sample:
+        """Durable publishes per second from ``threads`` threads publishing at once."""
         with self.messenger(0) as m:
             counts = [0] * threads
             stop = time.perf_counter() + self.seconds
@@ -240,11 +243,13 @@ class Suite:
             return clock.sample(sum(counts))
 
     def publish_batch(self, size: int) -> Sample:
+        """Messages per second of durable ``publish_batch`` calls of ``size`` messages."""
         with self.messenger(0) as m:
             items = [(TYPE, PAYLOAD)] * size
             return _rate(self.seconds, lambda: len(m.publish_batch("bench", items)))
 
     def publish_relaxed(self) -> Sample:
+        """Relaxed publishes per second (fdatasync every 200 ms) from one thread."""
         with self.messenger(200) as m:
             publish = m.publish
 
@@ -289,6 +294,8 @@ class Suite:
     # -- federated -------------------------------------------------------
 
     def pki(self) -> Path:
+        """Makes a CA and the certificates of the federated cases (hub and client); returns their
+        folder."""
         from ._pki import write_ca, write_instance
 
         d = self.root / "pki"
@@ -617,6 +624,8 @@ def one_core_comparison(suite: Suite, quick: bool) -> None:
 def run(
     quick: bool, one_core: bool = False
 ) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+    """Runs the suite (``quick``: one short run of each case; ``one_core``: add the one-core
+    comparison); returns the results by JSON key and the table rows."""
     seconds, runs, n = _settings(quick)
     with tempfile.TemporaryDirectory(prefix="keyop-bench-", ignore_cleanup_errors=True) as d:
         suite = Suite(Path(d), seconds, runs)

@@ -13,11 +13,11 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import _core
-from ._closing import _SyncContext
+from ._closing import _SyncContext, refuse_when_closed
 from .config import Config, load_config
 from .context import resolve
 from .errors import ConfigError, send_batch, unicode_error
@@ -33,6 +33,7 @@ log = logging.getLogger("keyop_messenger")
 CONNECT_TIMEOUT_S = 10.0
 
 
+@refuse_when_closed(lambda e: e._closed, lambda e: f"ephemeral messenger {e.name!r}")
 class EphemeralMessenger(_SyncContext):
     """A storage-less client of the first hub in ``config.client.hubs``.
 
@@ -46,12 +47,21 @@ class EphemeralMessenger(_SyncContext):
     publishes made meanwhile wait in the bounded outbound buffer
     (``federation.send_buffer_messages`` publish calls). A full buffer raises
     :class:`BufferFullError`.
+
+    ``config`` is a :class:`Config`, a mapping in the YAML shape or the path
+    of a YAML file. After ``close()`` every method but ``close()`` raises
+    :class:`ClosedError`.
     """
 
     def __init__(
-        self, config: Config | str | os.PathLike[str], *, auto_reconnect: bool = False
+        self,
+        config: Config | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        auto_reconnect: bool = False,
     ) -> None:
-        if not isinstance(config, Config):
+        if isinstance(config, Mapping):
+            config = Config.from_dict(config)
+        elif not isinstance(config, Config):
             config = load_config(config)
         if not config.client.hubs:
             raise ConfigError(["client.hubs: an EphemeralMessenger needs at least one hub"])

@@ -121,9 +121,10 @@ class SubscriptionError(KeyopError, RuntimeError):
 
 
 class FederationError(KeyopError, RuntimeError):
-    """Federation could not start: unusable TLS material, a listen address in
-    use, or an invalid hub address. (A hub that is down is not an error: the
-    client keeps dialing it in the background.)"""
+    """Federation could not start: bad TLS material, a listen address in use, a bad hub address.
+
+    A hub that is down is not an error: the client keeps dialing it in the background.
+    """
 
 
 class CertificateError(KeyopError, ValueError):

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import datetime
 import functools
 import json
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import _core
-from ._closing import _SyncContext
+from ._closing import _SyncContext, refuse_when_closed
 from .config import Config, load_config
 from .context import _CONTEXT, resolve
 from .errors import send_batch, unicode_error
@@ -23,7 +24,12 @@ from .payloads import PayloadRegistry, to_plain
 from .stats import Stats, stats_from_engine
 from .subscription import Deliverer, Handler, Subscription
 
-__all__ = ["Messenger", "read_channel"]
+__all__ = ["GapHandler", "Messenger", "read_channel"]
+
+GapHandler = Callable[[str, str, int, int], Any]
+"""``on_gap(channel, subscriber_id, from_offset, to_offset)``: bytes
+``from_offset..to_offset`` of the channel were gone before the subscriber read
+them (deleted by retention, a removed or truncated segment)."""
 
 _MIB = 1024 * 1024
 #: Seconds between retention passes (as in keyop-messenger 1.4).
@@ -40,6 +46,7 @@ def _close_all() -> None:
         m.close()
 
 
+@refuse_when_closed(lambda m: m._closed, lambda m: f"messenger {m.name!r}")
 class Messenger(_core.MessengerBase, _SyncContext):
     """A messenger instance owning one data directory.
 
@@ -49,11 +56,17 @@ class Messenger(_core.MessengerBase, _SyncContext):
     publishers share one fsync), or written to the file with
     ``sync_interval_ms > 0`` (a timer fsyncs). It is the hot path, so it is
     implemented in the extension (see ``MessengerBase.publish``).
-    Use it as a context manager, or call :meth:`close`.
+    Use it as a context manager, or call :meth:`close`. After ``close()``
+    every method but ``close()`` raises :class:`ClosedError`.
+
+    ``config`` is a :class:`Config`, a mapping in the YAML shape (built with
+    :meth:`Config.from_dict`) or the path of a YAML file.
     """
 
-    def __init__(self, config: Config | str | os.PathLike[str]) -> None:
-        if not isinstance(config, Config):
+    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> None:
+        if isinstance(config, Mapping):
+            config = Config.from_dict(config)
+        elif not isinstance(config, Config):
             config = load_config(config)
         config.validate()
         self._config = config
@@ -67,7 +80,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
             storage.data_dir,
             config.name,
             sync_interval_ms=storage.sync_interval_ms,
-            segment_bytes=max(storage.compaction_threshold_mb, 0) * _MIB,
+            segment_bytes=max(storage.segment_mb(), 0) * _MIB,
         )
         self._engine.start_retention(int(RETENTION_INTERVAL_S * 1000), **self._retention())
         self._bind_publish(
@@ -88,12 +101,18 @@ class Messenger(_core.MessengerBase, _SyncContext):
                 self.close()
                 raise
 
-    def _retention(self) -> dict[str, int | None]:
+    def _retention(self) -> dict[str, Any]:
         lag_mb = self._config.storage.max_subscriber_lag_mb
         ttl = self._config.subscribers.offset_ttl
+        limits = self._config.retention
         return {
             "max_lag_bytes": lag_mb * _MIB if lag_mb > 0 else None,
-            "offset_ttl_ms": int(ttl.total_seconds() * 1000) if ttl.total_seconds() > 0 else None,
+            "offset_ttl_ms": _ms_or_none(ttl),
+            "max_age_ms": _ms_or_none(limits.max_age),
+            "max_bytes": limits.max_bytes or None,
+            "channels": {
+                c.name: (_ms_or_none(c.max_age), c.max_bytes or None) for c in limits.channels
+            },
         }
 
     @property
@@ -162,7 +181,14 @@ class Messenger(_core.MessengerBase, _SyncContext):
             send = functools.partial(send, ids=list(ids))
         return send_batch(send, channel, pairs, service, corr, to_plain)
 
-    def subscribe(self, channel: str, subscriber_id: str, handler: Handler) -> Subscription:
+    def subscribe(
+        self,
+        channel: str,
+        subscriber_id: str,
+        handler: Handler,
+        *,
+        on_gap: GapHandler | None = None,
+    ) -> Subscription:
         """Delivers ``channel`` to ``handler`` as subscriber ``subscriber_id``.
 
         A new id starts at the current end of the channel; a known id resumes
@@ -172,11 +198,23 @@ class Messenger(_core.MessengerBase, _SyncContext):
         ``subscribers.max_retries`` times, then the message goes to
         ``<channel>.dead-letter``. A payload that does not decode into its
         registered type is dead-lettered at once; unregistered types arrive as
-        plain JSON data. Raises :class:`InvalidNameError` for bad names (ids
-        starting with ``fed-`` are reserved) and :class:`SubscriptionError` if
-        the id is already subscribed to the channel.
+        plain JSON data. A record that cannot be read at all (not an envelope,
+        or a payload nested too deep) is quarantined (copied to
+        ``<data_dir>/quarantine/<channel>/<offset>.jsonl``) and dead-lettered
+        with the reason; its neighbours are delivered as usual.
+
+        When data the subscriber had not read is gone (deleted by retention,
+        a removed or truncated segment), delivery goes on after it and the gap
+        is reported: a WARNING log, ``Stats.data_loss``, and
+        ``on_gap(channel, subscriber_id, from_offset, to_offset)`` if given
+        (called on the delivery thread; an exception it raises is printed).
+
+        Raises :class:`InvalidNameError` for bad names (ids starting with
+        ``fed-`` are reserved) and :class:`SubscriptionError` if the id is
+        already subscribed to the channel.
         """
         deliverer = Deliverer(handler, self._registry, channel, subscriber_id)
+        gap = None if on_gap is None else _gap_reporter(on_gap, channel, subscriber_id)
         try:
             core = self._engine.subscribe(
                 channel,
@@ -184,6 +222,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
                 deliverer,
                 max_retries=self._config.subscribers.max_retries,
                 offset_flush_interval_ms=self._config.storage.offset_flush_interval_ms,
+                on_gap=gap,
             )
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel, subscriber_id=subscriber_id) from None
@@ -202,16 +241,27 @@ class Messenger(_core.MessengerBase, _SyncContext):
 
     def compact(self) -> dict[str, tuple[int, int, list[str]]]:
         """Runs a retention pass now (it also runs every 30 s): deletes sealed
-        segments that every subscriber's offset file has passed. Returns, per
+        segments that every offset file of their channel has passed (a channel
+        with no offset file keeps its data), and those the ``retention``
+        section's ``max_age`` / ``max_bytes`` limits select. Returns, per
         channel where something happened, ``(segments_deleted, bytes_freed,
         removed_offset_ids)``."""
         return self._engine.compact(**self._retention())
 
-    def read_channel(self, channel: str, *, start_offset: int = 0) -> Iterator[LogEntry]:
+    def read_channel(
+        self, channel: str, *, start_offset: int = 0, skip_gaps: bool = False
+    ) -> Iterator[LogEntry]:
         """Iterates the committed messages of ``channel`` from ``start_offset``
-        (a global byte offset), decoding payloads with the registered types."""
+        (a global byte offset; 0 means the oldest record kept), decoding
+        payloads with the registered types.
+
+        Unreadable records are quarantined (see :meth:`subscribe`) and passed
+        over. If bytes after ``start_offset`` are gone (deleted by retention,
+        a removed or truncated segment), raises :class:`DataLossError` naming
+        the byte range, unless ``skip_gaps`` (then the gap is only logged and
+        counted in ``Stats.data_loss``)."""
         try:
-            rows = self._engine.read(channel, start_offset)
+            rows = self._engine.read(channel, start_offset, skip_gaps=skip_gaps)
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel) from None
         for row in rows:
@@ -248,6 +298,22 @@ class Messenger(_core.MessengerBase, _SyncContext):
         return f"<Messenger {self.name!r} data_dir={self._config.storage.data_dir!r} {state}>"
 
 
+def _ms_or_none(d: datetime.timedelta) -> int | None:
+    """Milliseconds of a positive duration; None (off) for zero or less."""
+    return int(d.total_seconds() * 1000) if d.total_seconds() > 0 else None
+
+
+def _gap_reporter(
+    on_gap: GapHandler, channel: str, subscriber_id: str
+) -> Callable[[int, int], None]:
+    """The engine's ``on_gap(from, to)`` calling the user's with the names."""
+
+    def gap(start: int, end: int) -> None:
+        on_gap(channel, subscriber_id, start, end)
+
+    return gap
+
+
 def _federation_settings(config: Config) -> dict[str, Any]:
     """The engine's federation settings, from a validated config."""
     ttl = config.hub.fed_client_offset_ttl.total_seconds()
@@ -282,12 +348,16 @@ def read_channel(
     *,
     start_offset: int = 0,
     registry: PayloadRegistry | None = None,
+    skip_gaps: bool = False,
 ) -> Iterator[LogEntry]:
     """Iterates the messages of ``channel`` in any data directory, also one
     written by keyop-messenger 1.4 or in use by another process. Only whole
-    records are returned; unreadable lines are skipped with a warning."""
+    records are returned. Unreadable records are quarantined (copied to
+    ``<data_dir>/quarantine/<channel>/<offset>.jsonl``, logged once) and
+    passed over. Bytes gone after ``start_offset`` (0: the oldest record kept)
+    raise :class:`DataLossError` naming the byte range, unless ``skip_gaps``."""
     try:
-        rows = _core.read_channel(os.fspath(data_dir), channel, start_offset)
+        rows = _core.read_channel(os.fspath(data_dir), channel, start_offset, skip_gaps=skip_gaps)
     except UnicodeEncodeError as exc:
         raise unicode_error(exc, channel=channel) from None
     for row in rows:

@@ -21,6 +21,8 @@ name                                                            type     labels
 ``keyop_subscriber_oldest_pending_timestamp_seconds``           gauge    channel, subscriber
 ``keyop_subscriber_active``                                     gauge    channel, subscriber
 ``keyop_channels``                                              gauge
+``keyop_data_loss_total``                                       counter  kind (gap, quarantined)
+``keyop_data_loss_bytes_total``                                 counter
 ``keyop_latency_seconds``                                       gauge    stage, quantile
 ``keyop_latency_samples``                                       gauge    stage
 ``keyop_federation_link_connected``                             gauge    hub
@@ -42,7 +44,8 @@ engine's sliding window of recent samples, so they are gauges (a summary's
 the number of samples in the window. A subscriber with nothing pending has no
 ``oldest_pending_timestamp`` sample. The ``keyop_federation_link_*`` families
 appear when client links are configured, the ``keyop_hub_*`` ones when the hub
-listener is on.
+listener is on. The ``keyop_data_loss_*`` counters are process-wide (every
+reader in the process adds to them, see ``Stats.data_loss``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,21 @@
 """Payload type registry: which Python type a ``payload_type`` string means.
 
 Publishing turns a payload into plain JSON data; delivery turns the JSON back
-into the registered type. Supported registered types are dataclasses,
-pydantic models (when pydantic is installed) and ``dict``/``TypedDict``
-classes. Payloads of unregistered types are published as given (any JSON
-value) and delivered as plain JSON data.
+into the registered type, deeply: nested dataclasses and pydantic models,
+enums, ``datetime``/``date``/``time``, ``UUID``, ``Decimal``, ``Optional``/
+``Union``, ``list[T]``, ``tuple``, ``set[T]`` and ``dict[str, T]`` come back as
+they were published. Supported registered types are dataclasses, pydantic
+models (when pydantic is installed) and ``dict``/``TypedDict`` classes; a
+registered ``dict`` (or subclass) is delivered untouched. Payloads of
+unregistered types are published as given (any JSON value) and delivered as
+plain JSON data.
+
+The JSON form of each Python type (``datetime`` as RFC 3339 strings,
+``Decimal`` and ``UUID`` as strings, enums by value, ...) is the table in
+:mod:`keyop_messenger._typed`. The decoder of a class is built once, when it
+is registered; a field type JSON cannot carry is refused then, and a payload
+that does not fit raises :class:`PayloadTypeError` naming the field path
+(``location.lat: expected float, got str``).
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, is_typeddict
 
+from . import _core
+from ._typed import UnsupportedType, build_decoder
 from .errors import PayloadTypeError
 
 __all__ = ["PayloadRegistry", "to_plain"]
@@ -34,7 +47,11 @@ def to_plain(value: Any) -> Any:
 
     Used by the engine's JSON encoder for any value that is not ``None``,
     ``bool``, ``int``, ``float``, ``str``, ``dict``, ``list`` or ``tuple``;
-    the encoder recurses into the result.
+    the encoder recurses into the result. A dataclass becomes an object of
+    its fields, a pydantic model ``model_dump(mode="json")``, an enum its
+    value, ``datetime``/``date``/``time`` ``isoformat()`` (RFC 3339 for an
+    aware datetime), ``UUID`` and ``Decimal`` ``str()``, a set a sorted list.
+    Anything else raises :class:`PayloadTypeError` before anything is written.
     """
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
@@ -78,10 +95,13 @@ class PayloadRegistry:
 
         Raises :class:`PayloadTypeError` if ``name`` is empty or already
         registered, or if ``cls`` is not a dataclass, a pydantic model, or a
-        ``dict``/``TypedDict`` class.
+        ``dict``/``TypedDict`` class; :class:`InvalidNameError` if ``name`` is
+        not a valid ``payload_type`` (the engine's rule: at most 255 bytes, no
+        control characters), as a publish with it would be refused.
         """
         if not isinstance(name, str) or not name:
             raise PayloadTypeError("payload type name must be a non-empty string")
+        _core.validate_payload_type(name)
         if not isinstance(cls, type):
             raise PayloadTypeError(f"payload type {name!r}: expected a class, got {cls!r}")
         entry = self._entry_for(name, cls)
@@ -92,11 +112,11 @@ class PayloadRegistry:
 
     @staticmethod
     def _entry_for(name: str, cls: type) -> _Entry:
-        if dataclasses.is_dataclass(cls):
-            return _Entry(cls, lambda p: isinstance(p, cls), lambda d: _build_dataclass(cls, d))
-        if _is_pydantic_model(cls):
-            return _Entry(cls, lambda p: isinstance(p, cls), cls.model_validate)
-        if is_typeddict(cls) or (isinstance(cls, type) and issubclass(cls, dict)):
+        if dataclasses.is_dataclass(cls) or _is_pydantic_model(cls):
+            return _Entry(cls, lambda p: isinstance(p, cls), _decoder(name, cls))
+        if is_typeddict(cls):
+            return _Entry(cls, lambda p: isinstance(p, Mapping), _decoder(name, cls))
+        if isinstance(cls, type) and issubclass(cls, dict):
             return _Entry(cls, lambda p: isinstance(p, Mapping), _require_mapping)
         raise PayloadTypeError(
             f"payload type {name!r}: {cls.__name__} is not a dataclass, pydantic model, "
@@ -147,7 +167,10 @@ def _require_mapping(data: Any) -> Any:
     return data
 
 
-def _build_dataclass(cls: type, data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise TypeError(f"expected a JSON object, got {type(data).__name__}")
-    return cls(**data)
+def _decoder(name: str, cls: type) -> Callable[[Any], Any]:
+    """The deep decoder of ``cls``, built now; a field type JSON cannot carry
+    is a :class:`PayloadTypeError` naming the field."""
+    try:
+        return build_decoder(cls)
+    except UnsupportedType as exc:
+        raise PayloadTypeError(f"payload type {name!r}: {exc}") from None

@@ -8,6 +8,7 @@ from typing import Any
 
 __all__ = [
     "ChannelStats",
+    "DataLossStats",
     "FederationStats",
     "HubLinkStats",
     "HubListenerStats",
@@ -111,6 +112,21 @@ class FederationStats:
 
 
 @dataclass(frozen=True)
+class DataLossStats:
+    """Data loss seen by readers in this process (all messengers and
+    ``read_channel`` calls together)."""
+
+    gaps: int = 0
+    """Times a reader's position pointed into bytes that were gone (deleted by
+    retention, a removed or truncated segment); each is logged (WARNING)."""
+    gap_bytes: int = 0
+    """Bytes in those gaps."""
+    quarantined: int = 0
+    """Unreadable records copied to ``<data_dir>/quarantine/<channel>/`` and
+    passed over (each counted once)."""
+
+
+@dataclass(frozen=True)
 class Stats:
     """A snapshot (not atomic across channels) of a messenger."""
 
@@ -120,6 +136,8 @@ class Stats:
     """Per stage: ``publish`` (append to commit), ``consume`` (commit to handler
     start) and ``handler`` (handler run time, per batch of messages)."""
     federation: FederationStats
+    data_loss: DataLossStats = field(default_factory=DataLossStats)
+    """Gaps and quarantined records (exported as ``keyop_data_loss_total``)."""
 
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
@@ -182,4 +200,11 @@ def stats_from_engine(raw: dict[str, Any]) -> Stats:
             connections_rejected=listener[4],
         ),
     )
-    return Stats(channels=channels, totals=totals, latency=latency, federation=federation)
+    gaps, gap_bytes, quarantined = raw.get("data_loss", (0, 0, 0))
+    return Stats(
+        channels=channels,
+        totals=totals,
+        latency=latency,
+        federation=federation,
+        data_loss=DataLossStats(gaps=gaps, gap_bytes=gap_bytes, quarantined=quarantined),
+    )

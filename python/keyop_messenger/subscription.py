@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _core
-from ._closing import _SyncContext
+from ._closing import _SyncContext, refuse_when_closed
 from .errors import PayloadTypeError
 from .message import Message
 from .payloads import PayloadRegistry
@@ -45,6 +45,8 @@ class Deliverer:
         self.stopped = True
 
     def __call__(self, rows: list[tuple[Any, ...]]) -> tuple[int, _Failure]:
+        """Hands ``rows`` to the handler in order; returns how many were handled and why the next
+        failed."""
         # The delivery hot path: one tuple unpack, one Message and one handler
         # call per row; payloads are decoded only for registered types.
         handler, entries, decode = self._handler, self._registry.entries, self._registry.decode
@@ -71,9 +73,14 @@ class Deliverer:
         return i, None
 
 
+@refuse_when_closed(
+    lambda s: s._deliverer.stopped, lambda s: f"subscription {s.channel!r}/{s.subscriber_id!r}"
+)
 class Subscription(_SyncContext):
     """A running subscription. ``close()`` stops delivery and keeps the
-    subscriber's offset, so subscribing again with the same id resumes."""
+    subscriber's offset, so subscribing again with the same id resumes.
+    After ``close()`` (or the messenger's) every method but ``close()``
+    raises :class:`ClosedError`; the properties keep answering."""
 
     def __init__(self, core: _core.Subscription, deliverer: Deliverer) -> None:
         self._core = core

@@ -52,6 +52,7 @@ class Parser(argparse.ArgumentParser):
     ops = False
 
     def error(self, message: str) -> NoReturn:
+        """Raises the usage error (status 2 for operator commands, else 1) rather than exiting."""
         if self.ops:
             raise OpsUsageError(f"{self.prog}: {message} (see {self.prog} --help)")
         raise UsageError(message)
@@ -78,6 +79,7 @@ CONFIG_HELP = "configuration file (YAML) of the messenger"
 
 
 def non_negative_int(text: str) -> int:
+    """Parses a whole number >= 0 (an argparse ``type``)."""
     value = int(text)
     if value < 0:
         raise ValueError(text)
@@ -88,6 +90,7 @@ non_negative_int.__name__ = "non-negative integer"
 
 
 def positive_float(text: str) -> float:
+    """Parses a number > 0 (an argparse ``type``)."""
     value = float(text)
     if not value > 0:
         raise ValueError(text)
@@ -110,6 +113,7 @@ class Out:
         self._lock = threading.Lock()
 
     def line(self, text: str) -> None:
+        """Writes ``text`` and a line break, then flushes; a closed pipe raises ``PipeClosed``."""
         with self._lock:
             try:
                 self._stream.write(text + "\n")
@@ -118,6 +122,7 @@ class Out:
                 raise PipeClosed() from None
 
     def json(self, doc: Any) -> None:
+        """Writes ``doc`` as one compact JSON line."""
         self.line(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
 
 
@@ -132,6 +137,7 @@ class Progress:
         self.count = 0
 
     def add(self, n: int = 1) -> None:
+        """Counts ``n`` more items and redraws the line if a quarter second has passed."""
         self.count += n
         now = time.monotonic()
         if self._tty and now - self._last >= PROGRESS_INTERVAL_S:
@@ -147,6 +153,7 @@ class Progress:
             self._last = 0.0
 
     def done(self, summary: str) -> None:
+        """Erases the progress line and prints ``summary`` on stderr."""
         self.clear()
         sys.stderr.write(summary + "\n")
         sys.stderr.flush()
@@ -163,6 +170,7 @@ def rfc3339_nanos(ns: int) -> str:
 
 
 def rfc3339(dt: datetime.datetime) -> str:
+    """``dt`` as RFC 3339 UTC with the fraction's trailing zeros trimmed (microseconds)."""
     dt = dt.astimezone(datetime.timezone.utc)
     text = dt.strftime("%Y-%m-%dT%H:%M:%S")
     if dt.microsecond:
@@ -208,6 +216,7 @@ def table(rows: Sequence[Sequence[Any]], right: set[int]) -> list[str]:
 
 
 def load(path: str) -> Config:
+    """The validated configuration in the YAML file ``path``."""
     from ..config import load_config
 
     return load_config(path)
@@ -243,6 +252,8 @@ def open_local(config_path: str, hint: str = "") -> Messenger:
 
 
 def ephemeral_config(config: Config, subscribe: list[str] | None = None) -> Config:
+    """``config`` for an ephemeral client: its first hub entry, subscribing to ``subscribe`` when
+    given."""
     from ..errors import ConfigError
 
     if not config.client.hubs:
@@ -255,6 +266,7 @@ def ephemeral_config(config: Config, subscribe: list[str] | None = None) -> Conf
 
 
 def check_data_dir(data_dir: Path) -> None:
+    """Raises :class:`CommandError` unless ``data_dir`` holds a ``channels/`` folder."""
     if not (data_dir / "channels").is_dir():
         raise CommandError(f"{data_dir}: not a keyop data directory (no channels/ folder)")
 

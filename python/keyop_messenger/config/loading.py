@@ -45,6 +45,7 @@ class Config(ConfigFields):
         dedup: The ``dedup`` section.
         audit: The ``audit`` section.
         metrics: The ``metrics`` section.
+        retention: The ``retention`` section.
     """
 
     @classmethod
@@ -67,6 +68,17 @@ class Config(ConfigFields):
         check_config(config, problems)
         if problems.messages:
             raise ConfigError(problems.messages)
+        return config
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Config:
+        """Read a YAML configuration file and validate it: :func:`load_config`.
+
+        Raises:
+            ConfigError: as :func:`load_config`.
+        """
+        config = load_config(path)
+        assert isinstance(config, cls)
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,7 +141,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
 _UNKNOWN_KEY_HINTS: dict[str, str] = {
     "storage.max_segment_bytes": (
-        "the segment size is set by storage.compaction_threshold_mb, in MiB"
+        "the segment size is set by storage.segment_size_mb, in MiB"
     ),
 }
 

@@ -14,6 +14,8 @@ class Problems:
         self._bad: set[str] = set()
 
     def add(self, key: str, message: str, *, bad: bool = False) -> None:
+        """Records ``message`` about ``key``; ``bad`` marks the key's value unusable for later
+        checks."""
         self.messages.append(f"{key}: {message}")
         if bad:
             self._bad.add(key)
@@ -34,6 +36,7 @@ class Problems:
 
 
 def join_key(path: str, name: str) -> str:
+    """The dotted key of ``name`` inside the section ``path`` (``name`` alone at the top)."""
     return f"{path}.{name}" if path else name
 
 

@@ -10,11 +10,15 @@ dataclasses, for the builder and the type checks.
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
+import warnings
 from dataclasses import dataclass, field
 
 #: Default of ``hub.fed_client_offset_ttl`` (one week).
 DEFAULT_FED_CLIENT_OFFSET_TTL = datetime.timedelta(hours=168)
+#: Default of ``storage.segment_size_mb``.
+DEFAULT_SEGMENT_SIZE_MB = 256
 
 
 def _default_name() -> str:
@@ -35,8 +39,11 @@ class StorageConfig:
             the active segment every N ms instead (must be >= 0).
         max_subscriber_lag_mb: Lag (MiB) above which compaction logs a per-subscriber
             warning every 30 s; a value <= 0 disables the warning.
-        compaction_threshold_mb: Segment roll size in MiB (despite its name, it is the
-            segment size); a value <= 0 means segments never roll, as in the original.
+        segment_size_mb: Segment roll size in MiB (default 256); a value <= 0 means
+            segments never roll. It deletes nothing: see the ``retention`` section.
+        compaction_threshold_mb: Deprecated name of ``segment_size_mb`` (the 1.4 key;
+            despite its name it is only the segment size). Still accepted, with a
+            ``DeprecationWarning`` and a logged warning; setting both is an error.
         offset_flush_interval_ms: Minimum time between offset-file writes of a local
             subscriber; 0 writes after every message (must be >= 0).
     """
@@ -44,8 +51,26 @@ class StorageConfig:
     data_dir: str = ""
     sync_interval_ms: int = 0
     max_subscriber_lag_mb: int = 512
-    compaction_threshold_mb: int = 256
+    segment_size_mb: int | None = None
+    compaction_threshold_mb: int | None = None
     offset_flush_interval_ms: int = 0
+
+    def __post_init__(self) -> None:
+        if self.compaction_threshold_mb is not None:
+            text = (
+                "storage.compaction_threshold_mb is deprecated: it is the segment size; "
+                "name it storage.segment_size_mb"
+            )
+            warnings.warn(text, DeprecationWarning, stacklevel=3)
+            logging.getLogger("keyop_messenger").warning("%s", text)
+
+    def segment_mb(self) -> int:
+        """The segment size in MiB: ``segment_size_mb``, else the deprecated
+        ``compaction_threshold_mb``, else 256."""
+        for value in (self.segment_size_mb, self.compaction_threshold_mb):
+            if value is not None:
+                return value
+        return DEFAULT_SEGMENT_SIZE_MB
 
 
 @dataclass
@@ -64,6 +89,54 @@ class SubscribersConfig:
 
     max_retries: int = 5
     offset_ttl: datetime.timedelta = datetime.timedelta(0)
+
+
+@dataclass
+class RetentionChannel:
+    """One entry of ``retention.channels``: the limits of one channel.
+
+    The entry replaces both global limits for that channel; a limit it leaves out
+    (or sets to 0) is off for it.
+
+    Attributes:
+        name: The channel (required, unique within the list; ``.dead-letter``
+            channels included).
+        max_age: Delete sealed segments last written longer ago than this, read or
+            not. 0 (default): off.
+        max_bytes: Delete the oldest sealed segments while the channel holds more
+            than this many bytes, read or not. 0 (default): off.
+    """
+
+    name: str
+    max_age: datetime.timedelta = datetime.timedelta(0)
+    max_bytes: int = 0
+
+
+@dataclass
+class RetentionConfig:
+    """The ``retention`` section (new in this implementation, not a 1.4 key): when
+    data is deleted.
+
+    Without it, a sealed segment is deleted only once every offset file of its
+    channel (local subscribers, also ones not subscribed since a restart, and
+    federation cursors) is past it, and a channel with no offset file keeps all
+    its data (1.4 deleted it). The active segment is never deleted. The limits
+    below delete data whether it was read or not; a subscriber whose unread data
+    went gets ``on_gap`` and a logged warning.
+
+    Attributes:
+        max_age: Delete sealed segments last written longer ago than this. 0
+            (default): off.
+        max_bytes: Delete the oldest sealed segments while a channel holds more
+            than this many bytes (the active segment counts but stays). 0
+            (default): off.
+        channels: Per-channel limits, each replacing both global limits for its
+            channel.
+    """
+
+    max_age: datetime.timedelta = datetime.timedelta(0)
+    max_bytes: int = 0
+    channels: list[RetentionChannel] = field(default_factory=list)
 
 
 @dataclass
@@ -243,6 +316,7 @@ class ConfigFields:
         dedup: The ``dedup`` section.
         audit: The ``audit`` section.
         metrics: The ``metrics`` section.
+        retention: The ``retention`` section.
     """
 
     name: str = field(default_factory=_default_name)
@@ -255,6 +329,7 @@ class ConfigFields:
     dedup: DedupConfig = field(default_factory=DedupConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -267,8 +342,10 @@ SECTIONS: dict[str, type] = {
     "DedupConfig": DedupConfig,
     "AuditConfig": AuditConfig,
     "MetricsConfig": MetricsConfig,
+    "RetentionConfig": RetentionConfig,
 }
 ITEM_LISTS: dict[str, type] = {
     "list[AllowedPeer]": AllowedPeer,
     "list[HubEndpoint]": HubEndpoint,
+    "list[RetentionChannel]": RetentionChannel,
 }

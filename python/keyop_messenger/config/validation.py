@@ -23,6 +23,7 @@ def _is_int(value: object) -> bool:
 _SCALAR_TYPES: dict[str, tuple[Any, str]] = {
     "str": (lambda v: isinstance(v, str), "a string"),
     "int": (_is_int, "an integer"),
+    "int | None": (lambda v: v is None or _is_int(v), "an integer"),
     "float": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "datetime.timedelta": (
@@ -131,6 +132,8 @@ def check_config(config: ConfigFields, problems: Problems) -> None:
     _at_least(problems, storage, "storage", "offset_flush_interval_ms", 0)
 
     _at_least(problems, config.subscribers, "subscribers", "max_retries", 0)
+    _check_segment_size(config, problems)
+    _check_retention(config, problems)
 
     _check_hub(config, problems)
     _check_client(config, problems)
@@ -256,3 +259,51 @@ def _check_tls(config: ConfigFields, problems: Problems) -> None:
     if problems.usable("tls.min_version") and tls.min_version not in ("1.2", "1.3"):
         problems.add("tls.min_version", f"must be \"1.2\" or \"1.3\", got {tls.min_version!r}")
     _at_least(problems, tls, "tls", "expiry_warn_days", 0)
+
+
+def _check_segment_size(config: ConfigFields, problems: Problems) -> None:
+    storage = config.storage
+    keys = ("storage.segment_size_mb", "storage.compaction_threshold_mb")
+    if (
+        problems.usable(*keys)
+        and storage.segment_size_mb is not None
+        and storage.compaction_threshold_mb is not None
+    ):
+        problems.add(
+            "storage.compaction_threshold_mb",
+            "set together with storage.segment_size_mb; compaction_threshold_mb is the "
+            "deprecated name of segment_size_mb: keep only segment_size_mb",
+        )
+
+
+def _check_retention(config: ConfigFields, problems: Problems) -> None:
+    """Limits must not be negative; per-channel entries need a unique, valid name."""
+    from .. import _core  # the engine's channel-name rule
+
+    def limits(section: Any, path: str) -> None:
+        _at_least(problems, section, path, "max_bytes", 0)
+        key = join_key(path, "max_age")
+        if problems.usable(key) and section.max_age < datetime.timedelta(0):
+            problems.add(key, "must not be negative (0 switches it off)")
+
+    limits(config.retention, "retention")
+    if not problems.usable("retention.channels"):
+        return
+    seen: set[str] = set()
+    for index, entry in enumerate(config.retention.channels):
+        path = f"retention.channels[{index}]"
+        limits(entry, path)
+        key = f"{path}.name"
+        if not problems.usable(key):
+            continue
+        if entry.name == "":
+            problems.add(key, "required")
+            continue
+        try:
+            _core.validate_channel(entry.name)
+        except ValueError as exc:
+            problems.add(key, str(exc))
+            continue
+        if entry.name in seen:
+            problems.add(key, f"channel {entry.name!r} is listed twice")
+        seen.add(entry.name)

@@ -46,7 +46,8 @@ Write options
       Tasks therefore write one after the other (use ``coalesce(1)`` to avoid the
       waiting), and no other process may keep the directory open meanwhile.
       ``name`` sets the origin (default: the host name); ``sync_interval_ms`` and
-      ``compaction_threshold_mb`` are passed to the messenger's storage section.
+      ``segment_size_mb`` (or its deprecated name ``compaction_threshold_mb``) are
+      passed to the messenger's storage section.
 
     Optional: ``service_name``; ``correlation_id`` (one value for every message) or
     ``correlation_id_column`` (a string column whose value becomes each message's
@@ -105,7 +106,10 @@ Read options
     ``.schema(...)`` must be this one. Reading never locks the directory: it works
     while a messenger (or keyop-messenger 1.4) writes it, and returns only whole
     records. It sees what retention has kept: a messenger deletes sealed segments
-    that every offset file of the channel has passed.
+    that every offset file of the channel has passed (a channel with no offset file
+    keeps its data), and those the ``retention`` section's limits select. Bytes gone
+    from inside the range read raise :class:`~keyop_messenger.DataLossError`;
+    unreadable records are quarantined and passed over.
 
 Streaming read
     Offsets are ``{"offset": N}``, the global byte offset of the next record (segment
@@ -122,10 +126,10 @@ Streaming read
     messenger never deletes a segment the query still needs, also while it is
     stopped. Use an id no subscriber uses; when the query is retired, delete the
     file with ``Messenger.unsubscribe(channel, id)`` (or let
-    ``subscribers.offset_ttl`` expire it). Without it, segments that retention
-    deletes before a batch reads them raise
+    ``subscribers.offset_ttl`` expire it). Without it, data that retention (or
+    anyone) deleted before a batch read it raises
     :class:`~keyop_messenger.errors.DataLossError` (``failOnDataLoss``, default
-    true, like Spark's Kafka source); ``failOnDataLoss=false`` skips them with a
+    true, like Spark's Kafka source); ``failOnDataLoss=false`` skips it with a
     WARNING (the reader counts the bytes lost). ``earliest`` starts at the oldest
     record still stored.
 

@@ -396,6 +396,7 @@ class RowEncoder:
         return (RowEncoder, (self.schema,))
 
     def from_arrow(self, batch: pa.RecordBatch) -> list[dict[str, Any]]:
+        """The payload objects of an Arrow batch's rows, values converted to their JSON form."""
         # Top-level timestamps, dates, decimals and floats are converted by
         # Arrow compute kernels (several times faster than per value).
         fix: list[tuple[str, _Conv]] = []
@@ -414,6 +415,7 @@ class RowEncoder:
         return rows
 
     def from_row(self, row: Any) -> dict[str, Any]:
+        """The payload object of one Spark Row, values converted to their JSON form."""
         d = dict(zip(self.names, row, strict=False))
         for name, conv in self.active:
             d[name] = conv(d[name])

@@ -54,6 +54,7 @@ WRITE_OPTIONS = (
     "data_dir",
     "name",
     "sync_interval_ms",
+    "segment_size_mb",
     "compaction_threshold_mb",
     "service_name",
     "correlation_id",
@@ -110,18 +111,25 @@ class Options:
         )
 
     def get(self, key: str, default: str | None = None) -> str | None:
+        """The option's value, or ``default`` when it is not set."""
         return self._o.get(key.lower(), default)
 
     def required(self, key: str, what: str) -> str:
+        """The option's value; ``ValueError`` naming the option and ``what`` it is for when absent
+        or empty."""
         value = self.get(key)
         if value is None or value == "":
             raise ValueError(f"keyop data source: option {key!r} is required ({what})")
         return value
 
     def number(self, key: str, default: float, *, minimum: float = 0.0) -> float:
+        """The option as a number >= ``minimum`` (``default`` when not set); ``ValueError``
+        otherwise."""
         return self._parsed(key, default, float, "a number", minimum)
 
     def integer(self, key: str, default: int, *, minimum: int = 0) -> int:
+        """The option as an integer >= ``minimum`` (``default`` when not set); ``ValueError``
+        otherwise."""
         return self._parsed(key, default, int, "an integer", minimum)
 
     def _parsed(

@@ -138,10 +138,20 @@ def plan_partitions(
 ) -> list[KeyopPartition]:
     """Input partitions covering ``[start, end)``: one per segment file range,
     each split at record boundaries into pieces of about
-    ``max_partition_bytes`` when that is > 0."""
+    ``max_partition_bytes`` when that is > 0. Raises ``DataLossError`` when a
+    non-zero ``start`` lies before the first segment (those bytes are gone;
+    offset 0 means the oldest record kept)."""
     if end <= start:
         return []
     segments = list_segments(data_dir, channel)
+    if segments and 0 < start < segments[0]:
+        from ..errors import DataLossError
+
+        raise DataLossError(
+            f"channel {channel!r} in {data_dir}: bytes {start}..{segments[0]} are gone "
+            "(deleted by retention, or a segment was removed) before this query read "
+            "them; the 'retain_as' option makes retention keep what a query still needs"
+        )
     parts: list[KeyopPartition] = []
     for i, seg in enumerate(segments):
         seg_end = segments[i + 1] if i + 1 < len(segments) else end
@@ -199,6 +209,7 @@ def _check_read_schema(schema: StructType) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ReadSpec:
+    """The checked read options: what to read and from where (built on the driver)."""
     data_dir: str
     channel: str
     start_offset: str
@@ -210,6 +221,7 @@ class ReadSpec:
 
     @classmethod
     def from_options(cls, options: Any, schema: StructType) -> ReadSpec:
+        """Checks the read options and the schema; ``ValueError`` names the first problem."""
         o = Options(options)
         o.check_known(READ_OPTIONS, "read")
         # Absolute, resolved on the driver: executors may run in another directory.
@@ -248,6 +260,8 @@ class ReadSpec:
         return check_exists(self.data_dir, self.channel, allow_missing=self.allow_missing)
 
     def start(self) -> int:
+        """The offset the read starts at (``earliest``, ``latest`` or a byte offset moved to the
+        next record)."""
         if self.start_offset == "earliest":
             return 0
         if self.start_offset == "latest":
@@ -255,9 +269,11 @@ class ReadSpec:
         return align_offset(self.data_dir, self.channel, int(self.start_offset))
 
     def partitions(self, start: int, end: int) -> list[KeyopPartition]:
+        """The input partitions covering the byte range ``[start, end)``, cut between records."""
         return plan_partitions(self.data_dir, self.channel, start, end, self.max_partition_bytes)
 
     def read(self, partition: KeyopPartition) -> Iterator[pa.RecordBatch]:
+        """The records of ``partition`` as Arrow batches of the read schema."""
         return _read_partition(self.data_dir, self.channel, partition, self.schema)
 
 
@@ -335,16 +351,19 @@ def check_exists(data_dir: str, channel: str, *, allow_missing: bool) -> bool:
 
 
 class BatchReader(DataSourceReader):
+    """Batch read of a channel: everything committed when the read was planned."""
     def __init__(self, spec: ReadSpec) -> None:
         self.spec = spec
         self.end = stream_end(spec.data_dir, spec.channel) if spec.exists() else 0
 
     def partitions(self) -> Sequence[InputPartition]:
+        """One input partition per segment file (split further by ``max_partition_bytes``)."""
         parts = self.spec.partitions(self.spec.start(), self.end)
         # Spark needs at least one partition; an empty range reads nothing.
         return parts or [KeyopPartition(0, 0, 0, 0)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The records of one input partition as Arrow batches."""
         assert isinstance(partition, KeyopPartition)
         if partition.end <= partition.start:
             return iter(())

@@ -37,29 +37,36 @@ class KeyopDataSource(DataSource):
 
     @classmethod
     def name(cls) -> str:
+        """The data source's name, ``keyop``."""
         return SOURCE_NAME
 
     def schema(self) -> str:
+        """The envelope columns; ``payload`` is a struct when ``payload_schema`` is set, JSON text
+        otherwise."""
         payload_schema = Options(self.options).get("payload_schema")
         if payload_schema and payload_schema.strip():
             return ENVELOPE_DDL.format(payload=f"STRUCT<{nullable_ddl(payload_schema)}>")
         return ENVELOPE_DDL.format(payload="STRING")
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        """A batch reader; ``retain_as`` is refused (it applies to streaming reads)."""
         spec = ReadSpec.from_options(self.options, schema)
         if spec.retain_as is not None:
             raise ValueError("keyop data source: option 'retain_as' applies to streaming reads")
         return BatchReader(spec)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        """A streaming reader following the channel."""
         return StreamReader(ReadSpec.from_options(self.options, schema))
 
     def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:
+        """A batch writer; only the ``append`` mode is accepted."""
         if overwrite:
             raise ValueError("keyop data source: channels are append-only; use mode('append')")
         return BatchWriter(WriteSpec.from_options(self.options, schema, streaming=False))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        """A streaming writer; only the ``append`` output mode is accepted."""
         if overwrite:
             raise ValueError(
                 "keyop data source: channels are append-only; use outputMode('append')"

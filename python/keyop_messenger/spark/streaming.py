@@ -101,6 +101,7 @@ class StreamReader(DataSourceStreamReader):
             write_offset_file(self.spec.data_dir, self.spec.channel, self.spec.retain_as, offset)
 
     def initialOffset(self) -> dict[str, int]:
+        """Where a new query starts (``start_offset``); writes the ``retain_as`` offset file."""
         self.spec.exists()  # raises for a missing data_dir/channel unless allowMissing
         start = self.spec.start()
         if self.spec.start_offset == "earliest":
@@ -114,25 +115,30 @@ class StreamReader(DataSourceStreamReader):
     def latestOffset(
         self, start: dict[str, Any] | None = None, limit: Any = None
     ) -> dict[str, int]:
+        """The committed end of the channel (whole records only), never before ``start``."""
         end = stream_end(self.spec.data_dir, self.spec.channel)
         if start is not None:
             end = max(end, _offset_of(start))
         return {"offset": end}
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        """The input partitions of one micro-batch, from ``start`` to ``end``."""
         lo, hi = _offset_of(start), _offset_of(end)
         if lo < hi:
             segments = list_segments(self.spec.data_dir, self.spec.channel)
             first = segments[0] if segments else hi
             if lo < first:
                 self._gap(lo, min(first, hi))
+                lo = min(first, hi)
         return self.spec.partitions(lo, hi)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The records of one input partition as Arrow batches."""
         assert isinstance(partition, KeyopPartition)
         return _checked_read(self.spec, partition)
 
     def commit(self, end: dict[str, Any]) -> None:
+        """Spark is done with all before ``end``: moves the ``retain_as`` offset file there."""
         self._retain(_offset_of(end))
 
 
@@ -170,32 +176,41 @@ def _segment_exists(spec: ReadSpec, segment: int) -> bool:
 
 
 class StreamRowWriter(DataSourceStreamWriter):
+    """Streaming write, one Row at a time (pyspark without the Arrow stream writer)."""
     def __init__(self, spec: WriteSpec) -> None:
         self.spec = spec
 
     def write(self, iterator: Iterator[Row]) -> PartitionCommit:
+        """Publishes this task's rows; returns what it committed."""
         return publish_rows(self.spec, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Logs (and writes to ``report_path``) what the micro-batch's tasks committed."""
         report(self.spec, messages, aborted=False, batch_id=batchId)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Logs (and writes to ``report_path``) what an aborted micro-batch committed."""
         report(self.spec, messages, aborted=True, batch_id=batchId)
 
 
 if _StreamArrowWriterBase is not None:
 
     class StreamArrowWriter(_StreamArrowWriterBase):
+        """Streaming write, receiving Arrow batches."""
         def __init__(self, spec: WriteSpec) -> None:
             self.spec = spec
 
         def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionCommit:
+            """Publishes this task's rows; returns what it committed."""
             return publish_arrow(self.spec, iterator)
 
         def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+            """Logs (and writes to ``report_path``) what the micro-batch's tasks committed."""
             report(self.spec, messages, aborted=False, batch_id=batchId)
 
         def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+            """Logs (and writes to ``report_path``) what the tasks of an aborted micro-batch
+            committed."""
             report(self.spec, messages, aborted=True, batch_id=batchId)
 
 

@@ -69,6 +69,7 @@ class PartitionCommit(WriterCommitMessage):
 
 @dataclasses.dataclass(frozen=True)
 class WriteSpec:
+    """The checked write options: where to publish and how (built on the driver)."""
     channel: str
     payload_type: str
     config: Config | None
@@ -88,6 +89,7 @@ class WriteSpec:
 
     @classmethod
     def from_options(cls, options: Any, schema: StructType, *, streaming: bool) -> WriteSpec:
+        """Checks the write options; ``ValueError`` names the first problem."""
         from ..config import load_config
 
         o = Options(options)
@@ -114,7 +116,7 @@ class WriteSpec:
                 f"keyop data source: {config_path}: client.hubs must name the hub to publish to"
             )
         storage: dict[str, int] = {}
-        for key in ("sync_interval_ms", "compaction_threshold_mb"):
+        for key in ("sync_interval_ms", "segment_size_mb", "compaction_threshold_mb"):
             if o.get(key):
                 storage[key] = o.integer(key, 0, minimum=-(2**31))
         column = o.get("correlation_id_column") or None
@@ -150,6 +152,7 @@ class WriteSpec:
         )
 
     def target(self) -> _Target:
+        """Where a task publishes: a hub (``config``) or a local data directory (``data_dir``)."""
         if self.config is not None:
             return _HubTarget(self.config, self.connect_timeout_s, self.retries)
         assert self.data_dir is not None
@@ -326,7 +329,7 @@ class _DirTarget(_Target):
             self._write_progress(path, rows, offset)
             return 0
         # Chunks committed after the last progress write: their ids say which rows.
-        for record in _core.read_channel(self.data_dir, channel, offset):
+        for record in _core.read_channel(self.data_dir, channel, offset, skip_gaps=True):
             rid = record[2]
             if rid.startswith(prefix):
                 rows = max(rows, int(rid[len(prefix) :]) + 1)
@@ -599,12 +602,15 @@ class BatchWriter(DataSourceArrowWriter):
         self.job = new_job_id()
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionCommit:
+        """Publishes this task's rows; returns what it committed."""
         return publish_arrow(self.spec, iterator, self.job)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Logs (and writes to ``report_path``) what the tasks committed."""
         report(self.spec, messages, aborted=False, job=self.job)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Logs (and writes to ``report_path``) what the tasks of a failed job committed."""
         report(self.spec, messages, aborted=True, job=self.job)
 
 

@@ -93,6 +93,11 @@ pub enum KeygenError {
     /// `days` puts a validity bound outside the years 1 to 9999.
     #[error("a validity of {days} days is out of range")]
     Validity { days: i64 },
+    /// `days` is below 1: the certificate would be expired when written.
+    #[error(
+        "--days must be at least 1, got {days}: the certificate would be expired (or never valid) when written"
+    )]
+    TooFewDays { days: i64 },
     /// The certificate could not be built or signed.
     #[error("cannot generate the certificate: {0}")]
     Generate(String),
@@ -170,8 +175,12 @@ fn random_serial() -> Result<SerialNumber, KeygenError> {
 }
 
 /// First and last second (Unix time) of validity for certificates usable
-/// from now on for `days` days: now, now + days × 24 h.
+/// from now on for `days` days: now, now + days × 24 h. Unlike 1.4, `days`
+/// below 1 (an already-expired certificate) is refused.
 fn validity(days: i64) -> Result<(ASN1Time, ASN1Time), KeygenError> {
+    if days < 1 {
+        return Err(KeygenError::TooFewDays { days });
+    }
     // 0001-01-01T00:00:00Z and 9999-12-31T23:59:59Z: the bounds of X.509 times.
     const MIN: i64 = -62_135_596_800;
     const MAX: i64 = 253_402_300_799;
@@ -757,7 +766,8 @@ impl fmt::Display for CertSummary {
     }
 }
 
-fn rfc3339(secs: i64) -> String {
+/// A Unix time as an RFC 3339 (ISO 8601) UTC date and time, `2026-01-31T12:00:00Z`.
+pub(crate) fn rfc3339(secs: i64) -> String {
     match chrono::DateTime::from_timestamp(secs, 0) {
         Some(t) => t.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
         None => format!("@{secs}"),
@@ -1212,13 +1222,16 @@ mod tests {
     fn validity_bounds() {
         let (a, b) = validity(1).unwrap();
         assert_eq!(b.timestamp() - a.timestamp(), 86_400);
-        let (a, b) = validity(-2).unwrap();
-        assert_eq!(b.timestamp() - a.timestamp(), -2 * 86_400);
+        for days in [0, -2, i64::MIN] {
+            assert!(matches!(
+                validity(days),
+                Err(KeygenError::TooFewDays { days: d }) if d == days
+            ));
+        }
         assert!(matches!(
             validity(10_000_000),
             Err(KeygenError::Validity { days: 10_000_000 })
         ));
         assert!(validity(i64::MAX).is_err());
-        assert!(validity(i64::MIN).is_err());
     }
 }

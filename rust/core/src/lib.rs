@@ -16,7 +16,7 @@ pub mod subscribe;
 
 pub use engine::{read_channel, Engine, Outgoing, Published};
 pub use envelope::{Envelope, NameError, NameKind};
-pub use storage::compaction::{CompactionReport, RetentionConfig};
+pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};
 pub use storage::{StorageError, StoreConfig};
 pub use subscribe::{BatchOutcome, Delivery, Failure, Handler, SubscribeOptions, Subscriber};
 

@@ -1,6 +1,16 @@
 //! Delivery to local subscribers: read -> handler -> retry/backoff ->
 //! acknowledge or dead-letter, with a persisted offset per subscriber.
 //!
+//! why this file is long: the delivery loop, its retry/dead-letter
+//! settlement and the handling of what a reader can meet (gaps, unreadable
+//! records) share the worker's offset state; split apart they would have to
+//! pass it around by hand.
+//!
+//! A gap (the subscriber's position points into data that is gone) is
+//! counted, logged and handed to [`Handler::gap`]; an unreadable record is
+//! quarantined (see `storage::quarantine`) and dead-lettered with the reason,
+//! and delivery goes on past both.
+//!
 //! Each subscriber runs on its own engine-owned thread. It waits on its
 //! channel's commit notifier (with a slow fallback poll), reads whole
 //! committed lines in batches, and hands each batch to the [`Handler`], which
@@ -11,7 +21,7 @@
 //! failing record unacknowledged, so it is delivered again next time.
 
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle, ThreadId};
@@ -23,6 +33,7 @@ use crate::envelope::{
 };
 use crate::stats::EngineStats;
 use crate::storage::offsets::{read_offset, write_offset};
+use crate::storage::quarantine::{self, decode_stored, quarantine, report_gap, split_point};
 use crate::storage::{segment, ChannelWriter, Item, LogReader};
 
 /// One record handed to a handler.
@@ -43,6 +54,10 @@ pub enum Failure {
     /// The record can never be handled (its payload does not decode into the
     /// registered type): dead-letter it at once.
     Reject(String),
+    /// The record cannot even be represented to the handler (for example a
+    /// payload nested deeper than the reader allows): quarantine it and
+    /// dead-letter it at once, with its raw text instead of the original.
+    Unreadable(String),
 }
 
 /// Outcome of a handler call over a batch.
@@ -60,6 +75,12 @@ pub trait Handler: Send + 'static {
     /// may also stop early without a failure when its subscription is being
     /// stopped; the records it did not handle stay unacknowledged.
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome;
+
+    /// Told that bytes `from..to` of the channel are gone (deleted by
+    /// retention, a removed or truncated segment) before this subscriber
+    /// read them; delivery goes on at `to`. The gap is already counted and
+    /// logged.
+    fn gap(&mut self, _from: u64, _to: u64) {}
 }
 
 /// Delivery settings of one subscriber.
@@ -376,40 +397,51 @@ impl<H: Handler> Worker<H> {
             };
             let next = item.next_offset();
             match item {
-                Item::Record { offset, line, .. } => match Envelope::decode(&line) {
+                Item::Record { offset, line, .. } => match decode_stored(&line) {
                     Ok(envelope) => batch.push(Delivery {
                         offset,
                         line,
                         envelope,
                     }),
                     Err(e) => {
-                        log::warn!(
-                            "channel {:?}: skipped unreadable record at offset {offset}: {e}",
-                            self.channel
-                        );
-                        if batch.is_empty() {
-                            self.ack(next);
-                        } else {
-                            // Acknowledged once the records before it are.
+                        if !batch.is_empty() {
+                            // Settled once the records before it are.
                             self.reader.seek(offset);
                             break;
                         }
+                        // A corrupt run glued to a valid record: only the
+                        // run is unreadable; the record after it is read next.
+                        let bad = split_point(&line).unwrap_or(line.len());
+                        let next = if bad < line.len() {
+                            offset + bad as u64
+                        } else {
+                            next
+                        };
+                        if let Err(err) = self.unreadable(offset, &line[..bad], None, &e) {
+                            self.reader.seek(offset);
+                            return Err(io::Error::other(format!(
+                                "cannot dead-letter the unreadable record at offset {offset}: {err}"
+                            )));
+                        }
+                        self.ack(next);
+                        self.reader.seek(next);
                     }
                 },
                 Item::Oversize { .. } | Item::Gap { .. } => {
-                    if let Item::Gap { from, to } = item {
-                        log::warn!(
-                            "channel {:?}: subscriber {:?} skipped deleted bytes {from}..{to}",
-                            self.channel,
-                            self.id
-                        );
-                    }
-                    if batch.is_empty() {
-                        self.ack(next);
-                    } else {
+                    if !batch.is_empty() {
                         self.reader.seek(item_start(&item));
                         break;
                     }
+                    if let Item::Gap { from, to } = item {
+                        report_gap(
+                            &self.channel,
+                            &format!("subscriber {:?}", self.id),
+                            from,
+                            to,
+                        );
+                        self.handler.gap(from, to);
+                    }
+                    self.ack(next);
                 }
             }
         }
@@ -486,8 +518,13 @@ impl<H: Handler> Worker<H> {
     /// in 1.4; 0 for a record rejected outright).
     fn settle(&mut self, d: &Delivery, first: Failure) -> bool {
         let mut retries = 0;
+        let mut raw = false;
         let last_error = match first {
             Failure::Reject(e) => e,
+            Failure::Unreadable(e) => {
+                raw = true;
+                e
+            }
             Failure::Retry(mut e) => {
                 let mut attempt = 1;
                 loop {
@@ -507,6 +544,10 @@ impl<H: Handler> Worker<H> {
                             return true;
                         }
                         Some(Failure::Reject(r)) => break r,
+                        Some(Failure::Unreadable(r)) => {
+                            raw = true;
+                            break r;
+                        }
                         Some(Failure::Retry(r)) => e = r,
                         None => e = "handler made no progress".into(),
                     }
@@ -514,6 +555,28 @@ impl<H: Handler> Worker<H> {
                 }
             }
         };
+        if raw {
+            // Quarantined and dead-lettered as raw text (logged there).
+            let mut attempt = 1;
+            loop {
+                match self.unreadable(d.offset, &d.line, Some(&d.envelope.origin), &last_error) {
+                    Ok(()) => {
+                        self.ack(d.offset + d.line.len() as u64 + 1);
+                        return true;
+                    }
+                    Err(e) => log::error!(
+                        "channel {:?}: cannot write dead letter for {}: {e}; retrying",
+                        self.channel,
+                        d.envelope.id
+                    ),
+                }
+                let delay = backoff_delay(self.opts.backoff_base, self.opts.backoff_max, attempt);
+                if self.stop.sleep(delay) {
+                    return false;
+                }
+                attempt += 1;
+            }
+        }
         if self.channel.ends_with(DEAD_LETTER_SUFFIX) {
             log::error!(
                 "channel {:?}: subscriber {:?} gave up on dead-letter record {} at offset {}: {last_error}",
@@ -562,6 +625,15 @@ impl<H: Handler> Worker<H> {
         payload.extend_from_slice(b",\"failed_at\":");
         envelope::push_json_str(&mut payload, stamp.ts());
         payload.push(b'}');
+        self.append_dead_letter(&stamp, &d.envelope.origin, &payload)
+    }
+
+    fn append_dead_letter(
+        &self,
+        stamp: &Stamp,
+        origin: &str,
+        payload: &[u8],
+    ) -> Result<(), crate::StorageError> {
         let channel = dead_letter_channel(&self.channel);
         let mut line = Vec::with_capacity(payload.len() + 200);
         encode_record(
@@ -570,21 +642,54 @@ impl<H: Handler> Worker<H> {
                 id: stamp.id(),
                 ts: stamp.ts(),
                 channel: &channel,
-                origin: &d.envelope.origin,
+                origin,
                 payload_type: DEAD_LETTER_PAYLOAD_TYPE,
                 correlation_id: None,
                 service_name: None,
             },
-            &payload,
+            payload,
         );
         if line.len() > envelope::MAX_RECORD_BYTES {
             log::warn!(
-                "channel {:?}: dead letter for {} exceeds the record limit",
+                "channel {:?}: dead letter {} exceeds the record limit",
                 self.channel,
-                d.envelope.id
+                stamp.id()
             );
         }
         self.dead_letters.append(&line, 1).map(|_| ())
+    }
+
+    /// Quarantines the unreadable record `bytes` at `offset` and, unless
+    /// this is a dead-letter channel, dead-letters it: `original` is null
+    /// and `unreadable` holds its text (at most [`UNREADABLE_TEXT_BYTES`];
+    /// the whole record is in `quarantine_file`, relative to the data
+    /// directory).
+    fn unreadable(
+        &self,
+        offset: u64,
+        bytes: &[u8],
+        origin: Option<&str>,
+        reason: &str,
+    ) -> Result<(), crate::StorageError> {
+        let data_dir = channel_data_dir(self.writer.dir());
+        quarantine(data_dir, &self.channel, offset, bytes, reason);
+        if self.channel.ends_with(DEAD_LETTER_SUFFIX) {
+            return Ok(());
+        }
+        let stamp = Stamp::now();
+        let text = String::from_utf8_lossy(&bytes[..bytes.len().min(UNREADABLE_TEXT_BYTES)]);
+        let copy = quarantine::quarantine_path(Path::new(""), &self.channel, offset);
+        let mut payload = Vec::with_capacity(text.len() + reason.len() + 256);
+        payload.extend_from_slice(b"{\"original\":null,\"unreadable\":");
+        envelope::push_json_str(&mut payload, &text);
+        payload.extend_from_slice(format!(",\"offset\":{offset},\"quarantine_file\":").as_bytes());
+        envelope::push_json_str(&mut payload, &copy.to_string_lossy());
+        payload.extend_from_slice(b",\"retries\":0,\"last_error\":");
+        envelope::push_json_str(&mut payload, reason);
+        payload.extend_from_slice(b",\"failed_at\":");
+        envelope::push_json_str(&mut payload, stamp.ts());
+        payload.push(b'}');
+        self.append_dead_letter(&stamp, origin.unwrap_or(""), &payload)
     }
 
     /// Writes the acknowledged offset if it moved and the flush interval
@@ -609,6 +714,14 @@ impl<H: Handler> Worker<H> {
             ),
         }
     }
+}
+
+/// Most bytes of an unreadable record copied into its dead letter.
+pub const UNREADABLE_TEXT_BYTES: usize = 64 * 1024;
+
+/// The data directory of a channel directory (`data_dir/channels/<channel>`).
+fn channel_data_dir(dir: &Path) -> &Path {
+    dir.parent().and_then(Path::parent).unwrap_or(dir)
 }
 
 fn item_start(item: &Item) -> u64 {

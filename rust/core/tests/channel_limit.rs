@@ -24,6 +24,12 @@ fn tls_files(dir: &Path, ca: &CertificateAuthority, ca_pem: &str, name: &str) ->
     );
     std::fs::write(&c, &cert.cert_pem).unwrap();
     std::fs::write(&k, &cert.key_pem).unwrap();
+    // A key others can read is refused (as keygen writes them: 0600).
+    std::fs::set_permissions(
+        &k,
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
+    )
+    .unwrap();
     std::fs::write(&a, ca_pem).unwrap();
     TlsSettings {
         cert: c.display().to_string(),

@@ -313,7 +313,7 @@ fn refuses_to_overwrite_without_force() {
 #[test]
 fn days_are_honoured() {
     let ca = make_ca(1);
-    for days in [10, 0, -3, 40_000] {
+    for days in [1, 10, 40_000] {
         let mut req = instance(&ca, &format!("d{days}"));
         req.days = days;
         let s = keygen::keygen_instance(&req).unwrap();
@@ -322,6 +322,22 @@ fn days_are_honoured() {
         let c = parse(&cert_der);
         assert_eq!(c.validity().not_after.timestamp(), s.not_after);
         assert!((s.not_before - now()).abs() <= 5);
+    }
+    for days in [0, -3] {
+        let mut req = instance(&ca, &format!("d{days}"));
+        req.days = days;
+        let err = keygen::keygen_instance(&req).unwrap_err();
+        assert!(matches!(err, KeygenError::TooFewDays { .. }), "{err}");
+        assert!(
+            err.to_string().contains("--days must be at least 1"),
+            "{err}"
+        );
+        assert!(!req.cert_path().exists() && !req.key_path().exists());
+        let dir = tempfile::tempdir().unwrap();
+        let (c, k) = (dir.path().join("c.crt"), dir.path().join("c.key"));
+        let err = keygen::keygen_ca(&c, &k, days, false).unwrap_err();
+        assert!(matches!(err, KeygenError::TooFewDays { .. }), "{err}");
+        assert!(!c.exists() && !k.exists());
     }
     let mut req = instance(&ca, "too-long");
     req.days = 5_000_000;

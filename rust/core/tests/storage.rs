@@ -1276,7 +1276,7 @@ fn reader_below_the_first_segment_gets_a_gap() {
     let dir = channel_dir(data, "c");
     fs::create_dir_all(&dir).unwrap();
     // Segments before 5000 were deleted; 5000 and the next one are contiguous,
-    // the one after that follows a hole, which readers also tolerate.
+    // the one after that follows a hole, which readers report as a gap too.
     let (a, b, c) = (go_line(1), go_line(2), go_line(3));
     let s2 = 5000 + a.len() as u64;
     let s3 = s2 + b.len() as u64 + 100;
@@ -1288,6 +1288,11 @@ fn reader_below_the_first_segment_gets_a_gap() {
         let mut reader = read_channel(data, "c", from).unwrap();
         let mut items = read_all(&mut reader);
         assert_eq!(items.remove(0), Item::Gap { from, to: 5000 });
+        let hole = Item::Gap {
+            from: s2 + b.len() as u64,
+            to: s3,
+        };
+        assert_eq!(items.remove(2), hole);
         let got: Vec<(u64, u64)> = records(items).iter().map(|r| (r.0, r.1)).collect();
         assert_eq!(got, vec![(5000, 5000), (s2, s2), (s3, s3)]);
         assert_eq!(reader.position(), s3 + c.len() as u64);

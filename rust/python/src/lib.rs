@@ -1,4 +1,7 @@
 //! `keyop_messenger._core`: the PyO3 face of keyop-core.
+//! why this file is long: every class of the module (engine, messenger base,
+//! subscriptions, record iterator, ephemeral client) is a thin, independent
+//! wrapper; they share the conversion helpers here.
 //!
 //! Thin by design: argument conversion, GIL release around every blocking
 //! step, and error mapping (in `errors`). No engine logic lives here.
@@ -16,7 +19,7 @@ use keyop_core::federation::ephemeral::{EphemeralClient as EphemeralCore, Epheme
 use keyop_core::storage::{ChannelWriter, FaultPoint, Item, LogReader};
 use keyop_core::{
     BatchOutcome, Delivery, Engine, Envelope, Failure, Handler, Outgoing, RetentionConfig,
-    StoreConfig, SubscribeOptions, Subscriber,
+    RetentionLimits, StoreConfig, SubscribeOptions, Subscriber,
 };
 use pyo3::exceptions::{PyRuntimeError, PyUnicodeEncodeError};
 use pyo3::intern;
@@ -324,9 +327,16 @@ impl PyEngine {
         Ok(writer.map_or(0, |w| w.committed_end()))
     }
 
-    /// Reads committed records of `channel` from `start_offset`.
-    #[pyo3(signature = (channel, start_offset = 0))]
-    fn read(&self, py: Python<'_>, channel: &str, start_offset: u64) -> PyResult<RecordIter> {
+    /// Reads committed records of `channel` from `start_offset`. A gap
+    /// raises `DataLossError` unless `skip_gaps`.
+    #[pyo3(signature = (channel, start_offset = 0, *, skip_gaps = false))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+        start_offset: u64,
+        skip_gaps: bool,
+    ) -> PyResult<RecordIter> {
         let (reader, writer) = py
             .detach(|| self.engine.reader(channel, start_offset))
             .py_err(py)?;
@@ -334,6 +344,9 @@ impl PyEngine {
             limit: Limit::Committed(writer),
             reader,
             decoder: PyDecoder::default(),
+            data_dir: self.engine.store().data_dir().to_owned(),
+            channel: channel.to_owned(),
+            skip_gaps,
         })
     }
 
@@ -390,7 +403,10 @@ impl PyEngine {
     /// payload_json)` and returns `(handled, failure)`: how many leading rows
     /// were handled, and `None` or `(reject, error_text)` for the row after
     /// them (`reject`: dead-letter at once instead of retrying).
-    #[pyo3(signature = (channel, subscriber_id, deliver, *, max_retries = 5, offset_flush_interval_ms = 0, backoff_base_ms = 100, backoff_max_ms = 5000))]
+    ///
+    /// `on_gap(from, to)` is called when bytes `from..to` the subscriber had
+    /// not read are gone (delivery goes on at `to`).
+    #[pyo3(signature = (channel, subscriber_id, deliver, *, max_retries = 5, offset_flush_interval_ms = 0, backoff_base_ms = 100, backoff_max_ms = 5000, on_gap = None))]
     #[allow(clippy::too_many_arguments)]
     fn subscribe(
         &self,
@@ -402,6 +418,7 @@ impl PyEngine {
         offset_flush_interval_ms: u64,
         backoff_base_ms: u64,
         backoff_max_ms: u64,
+        on_gap: Option<Py<PyAny>>,
     ) -> PyResult<Subscription> {
         let opts = SubscribeOptions {
             max_retries,
@@ -412,6 +429,7 @@ impl PyEngine {
         };
         let handler = PyHandler {
             deliver,
+            on_gap,
             decoder: PyDecoder::default(),
         };
         let sub = py
@@ -429,16 +447,29 @@ impl PyEngine {
             .py_err(py)
     }
 
-    /// Runs the retention loop every `interval_ms` until close.
-    #[pyo3(signature = (interval_ms, max_lag_bytes = None, offset_ttl_ms = None))]
+    /// Runs the retention loop every `interval_ms` until close. `max_age_ms`
+    /// and `max_bytes` delete sealed segments whether read or not (off when
+    /// None); `channels` maps a channel to its own `(max_age_ms, max_bytes)`,
+    /// replacing both for it.
+    #[pyo3(signature = (interval_ms, max_lag_bytes = None, offset_ttl_ms = None, max_age_ms = None, max_bytes = None, channels = None))]
+    #[allow(clippy::too_many_arguments)]
     fn start_retention(
         &self,
         py: Python<'_>,
         interval_ms: u64,
         max_lag_bytes: Option<u64>,
         offset_ttl_ms: Option<u64>,
+        max_age_ms: Option<u64>,
+        max_bytes: Option<u64>,
+        channels: Option<ChannelLimits>,
     ) -> PyResult<()> {
-        let cfg = retention(max_lag_bytes, offset_ttl_ms);
+        let cfg = retention(
+            max_lag_bytes,
+            offset_ttl_ms,
+            max_age_ms,
+            max_bytes,
+            channels,
+        );
         self.engine
             .start_retention(cfg, Duration::from_millis(interval_ms.max(1)))
             .py_err(py)
@@ -446,14 +477,24 @@ impl PyEngine {
 
     /// One retention pass now; returns `{channel: (segments_deleted,
     /// bytes_freed, offsets_removed)}` for channels where something happened.
-    #[pyo3(signature = (max_lag_bytes = None, offset_ttl_ms = None))]
+    /// The retention arguments are those of `start_retention`.
+    #[pyo3(signature = (max_lag_bytes = None, offset_ttl_ms = None, max_age_ms = None, max_bytes = None, channels = None))]
     fn compact<'py>(
         &self,
         py: Python<'py>,
         max_lag_bytes: Option<u64>,
         offset_ttl_ms: Option<u64>,
+        max_age_ms: Option<u64>,
+        max_bytes: Option<u64>,
+        channels: Option<ChannelLimits>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let cfg = retention(max_lag_bytes, offset_ttl_ms);
+        let cfg = retention(
+            max_lag_bytes,
+            offset_ttl_ms,
+            max_age_ms,
+            max_bytes,
+            channels,
+        );
         let reports = py.detach(|| self.engine.compact(&cfg)).py_err(py)?;
         let d = PyDict::new(py);
         for (channel, r) in reports {
@@ -516,6 +557,8 @@ impl PyEngine {
             lat.set_item(stage, (p.count, p.p50_us, p.p90_us, p.p99_us))?;
         }
         out.set_item("latency", lat)?;
+        let loss = keyop_core::storage::quarantine::loss_counts();
+        out.set_item("data_loss", (loss.gaps, loss.gap_bytes, loss.quarantined))?;
         let fed = self.engine.with_federation(|f| {
             let links: Vec<_> = f
                 .clients()
@@ -624,16 +667,37 @@ impl PyEngine {
     }
 }
 
-fn retention(max_lag_bytes: Option<u64>, offset_ttl_ms: Option<u64>) -> RetentionConfig {
+/// Per-channel retention limits: channel -> `(max_age_ms, max_bytes)`.
+type ChannelLimits = std::collections::HashMap<String, (Option<u64>, Option<u64>)>;
+
+fn retention(
+    max_lag_bytes: Option<u64>,
+    offset_ttl_ms: Option<u64>,
+    max_age_ms: Option<u64>,
+    max_bytes: Option<u64>,
+    channels: Option<ChannelLimits>,
+) -> RetentionConfig {
+    let limits = |age: Option<u64>, bytes: Option<u64>| RetentionLimits {
+        max_age: age.map(Duration::from_millis),
+        max_bytes: bytes,
+    };
     RetentionConfig {
         max_lag_bytes,
         stale_offset_ttl: offset_ttl_ms.map(Duration::from_millis),
+        limits: limits(max_age_ms, max_bytes),
+        per_channel: channels
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(c, (age, bytes))| (c, limits(age, bytes)))
+            .collect(),
     }
 }
 
-/// Calls the Python delivery function with the GIL held, once per batch.
+/// Calls the Python delivery function with the GIL held, once per batch,
+/// and `on_gap(from, to)` (if given) for each gap.
 struct PyHandler {
     deliver: Py<PyAny>,
+    on_gap: Option<Py<PyAny>>,
     decoder: PyDecoder,
 }
 
@@ -651,43 +715,63 @@ type DeliveryRow<'a, 'py> = (
     Bound<'py, PyAny>,
 );
 
-/// Rows for a Python delivery function, payloads decoded.
-fn delivery_rows<'a, 'py>(
+/// One row for a Python delivery function; fails when the payload cannot
+/// become a Python value.
+fn delivery_row<'a, 'py>(
     py: Python<'py>,
     dec: &mut PyDecoder,
-    items: impl Iterator<Item = (u64, &'a Envelope)>,
-) -> PyResult<Vec<DeliveryRow<'a, 'py>>> {
-    items
-        .map(|(offset, e)| {
-            Ok((
-                offset,
-                e.id.as_str(),
-                e.ts_nanos,
-                dec.field(py, json::CHANNEL, &e.channel),
-                dec.field(py, json::ORIGIN, &e.origin),
-                dec.field(py, json::PAYLOAD_TYPE, &e.payload_type),
-                e.service_name
-                    .as_deref()
-                    .map(|s| dec.field(py, json::SERVICE_NAME, s)),
-                e.correlation_id.as_deref(),
-                dec.payload(py, e.payload.get())?,
-            ))
-        })
-        .collect()
+    offset: u64,
+    e: &'a Envelope,
+) -> PyResult<DeliveryRow<'a, 'py>> {
+    Ok((
+        offset,
+        e.id.as_str(),
+        e.ts_nanos,
+        dec.field(py, json::CHANNEL, &e.channel),
+        dec.field(py, json::ORIGIN, &e.origin),
+        dec.field(py, json::PAYLOAD_TYPE, &e.payload_type),
+        e.service_name
+            .as_deref()
+            .map(|s| dec.field(py, json::SERVICE_NAME, s)),
+        e.correlation_id.as_deref(),
+        dec.payload(py, e.payload.get())?,
+    ))
 }
 
 impl Handler for PyHandler {
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
         Python::attach(|py| {
-            let rows = delivery_rows(
-                py,
-                &mut self.decoder,
-                batch.iter().map(|d| (d.offset, &d.envelope)),
-            );
-            let result = rows
-                .and_then(|rows| self.deliver.call1(py, (rows,)))
+            // Rows up to the first payload that cannot become a Python
+            // value: that record alone is unreadable, its neighbours are not.
+            let mut rows = Vec::with_capacity(batch.len());
+            let mut unreadable = None;
+            for d in batch {
+                match delivery_row(py, &mut self.decoder, d.offset, &d.envelope) {
+                    Ok(row) => rows.push(row),
+                    Err(e) => {
+                        unreadable = Some(format!("payload cannot be read: {}", e.value(py)));
+                        break;
+                    }
+                }
+            }
+            let good = rows.len();
+            if good == 0 {
+                if let Some(reason) = unreadable {
+                    return BatchOutcome {
+                        handled: 0,
+                        failure: Some(Failure::Unreadable(reason)),
+                    };
+                }
+            }
+            let result = self
+                .deliver
+                .call1(py, (rows,))
                 .and_then(|r| r.extract::<(usize, Option<(bool, String)>)>(py));
             match result {
+                Ok((handled, None)) if handled >= good && unreadable.is_some() => BatchOutcome {
+                    handled: good,
+                    failure: unreadable.map(Failure::Unreadable),
+                },
                 Ok((handled, failure)) => BatchOutcome {
                     handled,
                     failure: failure.map(|(reject, text)| {
@@ -704,6 +788,16 @@ impl Handler for PyHandler {
                 },
             }
         })
+    }
+
+    fn gap(&mut self, from: u64, to: u64) {
+        if let Some(on_gap) = &self.on_gap {
+            Python::attach(|py| {
+                if let Err(e) = on_gap.call1(py, (from, to)) {
+                    e.print(py);
+                }
+            });
+        }
     }
 }
 
@@ -745,8 +839,21 @@ impl EphemeralClient {
             .set_handler(Arc::new(move |envelopes: Vec<Envelope>| {
                 Python::attach(|py| {
                     let mut dec = decoder.lock().unwrap_or_else(|e| e.into_inner());
-                    let rows = delivery_rows(py, &mut dec, envelopes.iter().map(|e| (0, e)));
-                    if let Err(err) = rows.and_then(|r| deliver.call1(py, (r,))) {
+                    // A payload that cannot become a Python value is dropped
+                    // alone (logged), not with the rest of the frame.
+                    let mut rows = Vec::with_capacity(envelopes.len());
+                    for e in &envelopes {
+                        match delivery_row(py, &mut dec, 0, e) {
+                            Ok(row) => rows.push(row),
+                            Err(err) => log::warn!(
+                                "channel {:?}: message {} from the hub cannot be read: {}",
+                                e.channel,
+                                e.id,
+                                err.value(py)
+                            ),
+                        }
+                    }
+                    if let Err(err) = deliver.call1(py, (rows,)) {
                         err.print(py);
                     }
                 })
@@ -871,13 +978,28 @@ impl PyEngine {
     }
 }
 
-/// Iterator over the readable records of a channel (see `Row`). Lines that
-/// are not valid envelopes are skipped with a warning, as 1.4 readers do.
+/// Iterator over the readable records of a channel (see `Row`). Unreadable
+/// records (not valid envelopes, or payloads that cannot become Python
+/// values) are quarantined and passed over; a gap (bytes gone from the
+/// middle of the stream, or before a non-zero start offset) raises
+/// `DataLossError` naming the byte range, unless `skip_gaps` (then it is
+/// only counted and logged). This iterator, iterated again after the error,
+/// goes on past the gap.
 #[pyclass(module = "keyop_messenger._core")]
 struct RecordIter {
     reader: LogReader,
     limit: Limit,
     decoder: PyDecoder,
+    data_dir: PathBuf,
+    channel: String,
+    skip_gaps: bool,
+}
+
+/// What the reader found next, before conversion to Python (transient).
+#[allow(clippy::large_enum_variant)]
+enum Found {
+    Record(u64, u64, Vec<u8>, Envelope),
+    Gap(u64, u64),
 }
 
 /// How far a [`RecordIter`] may read.
@@ -896,57 +1018,61 @@ impl RecordIter {
     }
 
     fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Row<'py>>> {
-        let limit = match &self.limit {
-            Limit::Committed(w) => w.as_ref().map_or(0, |w| w.committed_end()),
-            Limit::Complete => u64::MAX,
-        };
-        let reader = &mut self.reader;
-        let found = py
-            .detach(|| -> std::io::Result<Option<(u64, u64, Envelope)>> {
-                loop {
-                    let Some(item) = reader.next_item(limit)? else {
-                        return Ok(None);
-                    };
-                    let Item::Record {
-                        offset,
-                        segment,
-                        line,
-                    } = item
-                    else {
+        loop {
+            let Some(found) = self.next_found(py)? else {
+                return Ok(None);
+            };
+            let (offset, segment, line, e) = match found {
+                Found::Record(offset, segment, line, e) => (offset, segment, line, e),
+                Found::Gap(from, to) => {
+                    keyop_core::storage::quarantine::report_gap(
+                        &self.channel,
+                        "a reader",
+                        from,
+                        to,
+                    );
+                    if self.skip_gaps {
                         continue;
-                    };
-                    match Envelope::decode(&line) {
-                        Ok(e) => return Ok(Some((offset, segment, e))),
-                        Err(err) => log::warn!(
-                            "{}: skipped unreadable record at offset {offset}: {err}",
-                            reader.dir().display()
-                        ),
                     }
+                    return Err(new_err(
+                        py,
+                        Kind::DataLoss,
+                        format!(
+                            "channel {:?}: bytes {from}..{to} are gone (deleted by retention, \
+                             or a segment was removed or truncated); read from offset {to}, or \
+                             with skip_gaps=True, to go on past them",
+                            self.channel
+                        ),
+                    ));
                 }
-            })
-            .map_err(|e| {
-                new_err(
-                    py,
-                    Kind::Storage,
-                    format!("cannot read {}: {e}", self.reader.dir().display()),
-                )
-            })?;
-        let Some((offset, segment, e)) = found else {
-            return Ok(None);
-        };
-        let payload = self.decoder.payload(py, e.payload.get())?;
-        Ok(Some((
-            offset,
-            segment,
-            e.id,
-            e.ts_nanos,
-            e.channel,
-            e.origin,
-            e.payload_type,
-            e.service_name,
-            e.correlation_id,
-            payload,
-        )))
+            };
+            let payload = match self.decoder.payload(py, e.payload.get()) {
+                Ok(p) => p,
+                Err(err) => {
+                    let reason = format!("payload cannot be read: {}", err.value(py));
+                    keyop_core::storage::quarantine::quarantine(
+                        &self.data_dir,
+                        &self.channel,
+                        offset,
+                        &line,
+                        &reason,
+                    );
+                    continue;
+                }
+            };
+            return Ok(Some((
+                offset,
+                segment,
+                e.id,
+                e.ts_nanos,
+                e.channel,
+                e.origin,
+                e.payload_type,
+                e.service_name,
+                e.correlation_id,
+                payload,
+            )));
+        }
     }
 
     /// Global offset of the next record.
@@ -956,22 +1082,86 @@ impl RecordIter {
     }
 }
 
+impl RecordIter {
+    /// The next record or gap, read with the GIL released; unreadable lines
+    /// are quarantined and passed over (a corrupt run glued to a valid
+    /// record is split off it). A gap before offset 0's first segment is
+    /// history retention trimmed: not reported.
+    fn next_found(&mut self, py: Python<'_>) -> PyResult<Option<Found>> {
+        use keyop_core::storage::quarantine::{decode_stored, quarantine, split_point};
+        let limit = match &self.limit {
+            Limit::Committed(w) => w.as_ref().map_or(0, |w| w.committed_end()),
+            Limit::Complete => u64::MAX,
+        };
+        let (reader, data_dir, channel) = (&mut self.reader, &self.data_dir, &self.channel);
+        py.detach(|| -> std::io::Result<Option<Found>> {
+            loop {
+                let Some(item) = reader.next_item(limit)? else {
+                    return Ok(None);
+                };
+                let (offset, segment, line) = match item {
+                    Item::Record {
+                        offset,
+                        segment,
+                        line,
+                    } => (offset, segment, line),
+                    Item::Gap { from, to } if from > 0 => return Ok(Some(Found::Gap(from, to))),
+                    _ => continue,
+                };
+                match decode_stored(&line) {
+                    Ok(e) => return Ok(Some(Found::Record(offset, segment, line, e))),
+                    Err(reason) => {
+                        let bad = split_point(&line).unwrap_or(line.len());
+                        quarantine(data_dir, channel, offset, &line[..bad], &reason);
+                        if bad < line.len() {
+                            reader.seek(offset + bad as u64);
+                        }
+                    }
+                }
+            }
+        })
+        .map_err(|e| {
+            new_err(
+                py,
+                Kind::Storage,
+                format!("cannot read {}: {e}", self.reader.dir().display()),
+            )
+        })
+    }
+}
+
 /// Reads records of `channel` in any data directory (also one written by
 /// keyop-messenger 1.4, or in use by another process) from `start_offset`.
+/// A gap raises `DataLossError` unless `skip_gaps`.
 #[pyfunction]
-#[pyo3(signature = (data_dir, channel, start_offset = 0))]
+#[pyo3(signature = (data_dir, channel, start_offset = 0, *, skip_gaps = false))]
 fn read_channel(
     py: Python<'_>,
     data_dir: PathBuf,
     channel: &str,
     start_offset: u64,
+    skip_gaps: bool,
 ) -> PyResult<RecordIter> {
     let reader = keyop_core::read_channel(&data_dir, channel, start_offset).py_err(py)?;
     Ok(RecordIter {
         reader,
         limit: Limit::Complete,
         decoder: PyDecoder::default(),
+        data_dir,
+        channel: channel.to_owned(),
+        skip_gaps,
     })
+}
+
+/// Process-wide data-loss counters: `{"gaps", "gap_bytes", "quarantined"}`.
+#[pyfunction]
+fn loss_counts(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = keyop_core::storage::quarantine::loss_counts();
+    let d = PyDict::new(py);
+    d.set_item("gaps", c.gaps)?;
+    d.set_item("gap_bytes", c.gap_bytes)?;
+    d.set_item("quarantined", c.quarantined)?;
+    Ok(d)
 }
 
 /// Raises InvalidNameError unless `name` is a valid channel name (the
@@ -980,6 +1170,15 @@ fn read_channel(
 fn validate_channel(py: Python<'_>, name: &str) -> PyResult<()> {
     keyop_core::envelope::validate_name(keyop_core::NameKind::Channel, name)
         .map_err(keyop_core::Error::from)
+        .py_err(py)
+}
+
+/// Raises InvalidNameError unless `name` is a valid payload type: the
+/// engine's rule for the envelope's `payload_type` field.
+#[pyfunction]
+fn validate_payload_type(py: Python<'_>, name: &str) -> PyResult<()> {
+    keyop_core::envelope::validate_field("payload_type", name)
+        .map_err(keyop_core::Error::InvalidRecord)
         .py_err(py)
 }
 
@@ -995,6 +1194,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<EphemeralClient>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
     m.add_function(wrap_pyfunction!(validate_channel, m)?)?;
+    m.add_function(wrap_pyfunction!(loss_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_payload_type, m)?)?;
     keygen::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_RECORD_BYTES", keyop_core::envelope::MAX_RECORD_BYTES)?;

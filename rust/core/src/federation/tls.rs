@@ -48,6 +48,7 @@ impl TlsMaterial {
         check_readable("cert", &cfg.cert)?;
         check_readable("key", &cfg.key)?;
         check_readable("ca", &cfg.ca)?;
+        check_key_file(&cfg.key)?;
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cfg.cert)
             .map_err(|e| tls_err("cannot read certificate", &cfg.cert, e))?
             .collect::<Result<_, _>>()
@@ -59,6 +60,15 @@ impl TlsMaterial {
                 "expected a CERTIFICATE PEM block",
             ));
         }
+        let now = unix_now();
+        for (i, der) in certs.iter().enumerate() {
+            let what = if i == 0 {
+                "the instance certificate in tls.cert"
+            } else {
+                "a chain certificate in tls.cert"
+            };
+            check_validity(what, &cfg.cert, der, now, "keygen instance")?;
+        }
         let key = PrivateKeyDer::from_pem_file(&cfg.key)
             .map_err(|e| tls_err("no usable private key in", &cfg.key, e))?;
         let mut roots = RootCertStore::empty();
@@ -66,6 +76,18 @@ impl TlsMaterial {
             .map_err(|e| tls_err("cannot read CA file", &cfg.ca, e))?
             .collect::<Result<_, _>>()
             .map_err(|e| tls_err("bad PEM certificate in", &cfg.ca, e))?;
+        let issuer = issuer_of(&certs[0]);
+        for ca in &cas {
+            if issuer.is_some() && subject_of(ca) == issuer {
+                check_validity(
+                    "the CA certificate in tls.ca",
+                    &cfg.ca,
+                    ca,
+                    now,
+                    "keygen ca",
+                )?;
+            }
+        }
         for ca in cas {
             roots
                 .add(ca)
@@ -131,15 +153,14 @@ impl TlsMaterial {
 
     /// Logs a warning for the instance and CA certificates expiring within `days`.
     pub fn warn_expiry(&self, days: i64, ca_path: &str) {
-        let horizon = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs() as i64)
-            .unwrap_or(0)
-            + days * 86_400;
+        let horizon = unix_now() + days * 86_400;
         let check = |what: &str, der: &[u8]| {
-            if let Some(not_after) = not_after(der) {
+            if let Some((_, not_after)) = validity(der) {
                 if not_after < horizon {
-                    log::warn!("{what} certificate expires within {days} days (not after: unix {not_after})");
+                    log::warn!(
+                        "{what} certificate expires within {days} days, on {} (not after)",
+                        iso8601(not_after)
+                    );
                 }
             }
         };
@@ -165,7 +186,129 @@ pub fn peer_cn(der: &[u8]) -> Option<String> {
     Some(cn)
 }
 
-fn not_after(der: &[u8]) -> Option<i64> {
+fn validity(der: &[u8]) -> Option<(i64, i64)> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
-    Some(cert.validity().not_after.timestamp())
+    let v = cert.validity();
+    Some((v.not_before.timestamp(), v.not_after.timestamp()))
+}
+
+fn subject_of(der: &[u8]) -> Option<Vec<u8>> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    Some(cert.subject().as_raw().to_vec())
+}
+
+fn issuer_of(der: &[u8]) -> Option<Vec<u8>> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    Some(cert.issuer().as_raw().to_vec())
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// A Unix time as an ISO 8601 (RFC 3339) UTC date and time.
+fn iso8601(secs: i64) -> String {
+    crate::keygen::rfc3339(secs)
+}
+
+/// Refuses a certificate outside its validity window, giving the window in
+/// ISO 8601 and the command that makes a new one.
+fn check_validity(
+    what: &str,
+    path: &str,
+    der: &[u8],
+    now: i64,
+    remedy: &str,
+) -> Result<(), FedError> {
+    let (not_before, not_after) = validity(der).ok_or_else(|| {
+        tls_err(
+            "unparsable certificate in",
+            path,
+            "not an X.509 certificate",
+        )
+    })?;
+    let window = format!(
+        "valid from {} until {}; now is {}",
+        iso8601(not_before),
+        iso8601(not_after),
+        iso8601(now)
+    );
+    if now < not_before {
+        return Err(FedError::Tls(format!(
+            "{what} {path:?} is not yet valid ({window}): check the system clock, or issue a \
+             new certificate with `keyop-messenger {remedy}`"
+        )));
+    }
+    if now > not_after {
+        return Err(FedError::Tls(format!(
+            "{what} {path:?} has expired ({window}): issue a new certificate with \
+             `keyop-messenger {remedy}`"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a private key file that group or others may access, and one that
+/// is encrypted (passphrase-protected keys are not supported).
+fn check_key_file(path: &str) -> Result<(), FedError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(path)
+            .map_err(|e| tls_err("cannot read tls.key", path, e))?
+            .permissions()
+            .mode()
+            & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(FedError::Tls(format!(
+                "tls.key {path:?} is readable or writable by group or others (mode {mode:04o}); \
+                 a private key must be private to its owner: run `chmod 600 {path}`"
+            )));
+        }
+    }
+    let pem = std::fs::read(path).map_err(|e| tls_err("cannot read tls.key", path, e))?;
+    if is_encrypted_pem(&pem) {
+        return Err(FedError::Tls(format!(
+            "tls.key {path:?} is encrypted (passphrase-protected), which is not supported: \
+             write a decrypted copy with `openssl pkey -in {path} -out {path}.plain` (it asks \
+             for the passphrase), then `chmod 600 {path}.plain` and point tls.key at it"
+        )));
+    }
+    Ok(())
+}
+
+/// True for a PKCS #8 `ENCRYPTED PRIVATE KEY` block or a traditional PEM key
+/// with an `ENCRYPTED` Proc-Type header.
+fn is_encrypted_pem(pem: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(pem);
+    text.contains("-----BEGIN ENCRYPTED PRIVATE KEY-----")
+        || text
+            .lines()
+            .any(|l| l.starts_with("Proc-Type:") && l.contains("ENCRYPTED"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encrypted_pem_is_recognised() {
+        assert!(is_encrypted_pem(
+            b"-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n"
+        ));
+        assert!(is_encrypted_pem(
+            b"-----BEGIN EC PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-256-CBC,00\n\nMIIB\n-----END EC PRIVATE KEY-----\n"
+        ));
+        assert!(!is_encrypted_pem(
+            b"-----BEGIN EC PRIVATE KEY-----\nMIIB\n-----END EC PRIVATE KEY-----\n"
+        ));
+    }
+
+    #[test]
+    fn iso_dates() {
+        assert_eq!(iso8601(0), "1970-01-01T00:00:00Z");
+    }
 }

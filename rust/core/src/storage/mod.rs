@@ -3,6 +3,7 @@
 
 pub mod compaction;
 pub mod offsets;
+pub mod quarantine;
 pub mod reader;
 pub mod segment;
 pub mod testhook;

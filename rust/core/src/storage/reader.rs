@@ -5,7 +5,9 @@
 //! later (it may still be being written, or it is a torn record); a line over
 //! the 10 MiB limit is skipped whole instead of wedging the reader; at the
 //! end of a sealed segment the reader continues at the next segment's start;
-//! an offset below the first remaining segment jumps forward to it.
+//! an offset below the first remaining segment jumps forward to it. Both
+//! jumps over missing bytes are returned as [`Item::Gap`], for the caller to
+//! report (never skipped in silence).
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Seek, SeekFrom};
@@ -25,7 +27,8 @@ pub enum Item {
     },
     /// A line longer than the record limit, skipped; `len` includes the `\n`.
     Oversize { offset: u64, segment: u64, len: u64 },
-    /// Segments before `to` were deleted while the reader was at `from`.
+    /// Bytes `from..to` are gone: segments before `to` were deleted (or one
+    /// was truncated) while the reader was at or before `from`.
     Gap { from: u64, to: u64 },
 }
 
@@ -175,7 +178,13 @@ impl LogReader {
                                     self.pos
                                 );
                             }
+                            // Bytes between this segment's end and the next
+                            // segment are gone (a deleted or truncated segment).
+                            let from = self.pos.max(start + seg_len);
                             self.pos = next;
+                            if from < next {
+                                return Ok(Some(Item::Gap { from, to: next }));
+                            }
                         }
                         _ => return Ok(None),
                     }

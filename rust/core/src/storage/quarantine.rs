@@ -1,0 +1,154 @@
+//! Records on disk that cannot be read, and data that is gone.
+//!
+//! An unreadable record (not JSON, not a valid envelope, or a payload the
+//! reader cannot represent, such as one nested 100,000 deep) is quarantined:
+//! its bytes are copied to `data_dir/quarantine/<channel>/<offset>.jsonl`
+//! (the record as it was on disk, plus `\n`), it is counted, and it is logged
+//! once (the first reader to meet it creates the copy; later readers, also
+//! after a restart, find the copy and stay quiet). Readers then go on past
+//! it. A corrupt run of bytes glued to a valid record that follows it is
+//! split off ([`split_point`]), so the valid neighbour is still delivered.
+//!
+//! Counters are process-wide (every reader of every data directory in the
+//! process adds to them).
+
+use std::fs::OpenOptions;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::segment;
+use crate::envelope::{check_payload_depth, Envelope};
+
+/// Directory under `data_dir` holding quarantined records.
+pub const QUARANTINE_DIR: &str = "quarantine";
+
+static GAPS: AtomicU64 = AtomicU64::new(0);
+static GAP_BYTES: AtomicU64 = AtomicU64::new(0);
+static QUARANTINED: AtomicU64 = AtomicU64::new(0);
+
+/// Process-wide counts of data loss seen by readers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LossCounts {
+    /// Gaps met by readers (a reader's position pointed into deleted data).
+    pub gaps: u64,
+    /// Bytes in those gaps.
+    pub gap_bytes: u64,
+    /// Unreadable records quarantined (each counted once).
+    pub quarantined: u64,
+}
+
+/// The counters now.
+pub fn loss_counts() -> LossCounts {
+    LossCounts {
+        gaps: GAPS.load(Ordering::Relaxed),
+        gap_bytes: GAP_BYTES.load(Ordering::Relaxed),
+        quarantined: QUARANTINED.load(Ordering::Relaxed),
+    }
+}
+
+/// Counts and logs (WARNING) a gap `from..to` met by `reader` on `channel`.
+pub fn report_gap(channel: &str, reader: &str, from: u64, to: u64) {
+    GAPS.fetch_add(1, Ordering::Relaxed);
+    GAP_BYTES.fetch_add(to.saturating_sub(from), Ordering::Relaxed);
+    log::warn!(
+        "channel {channel:?}: {reader} met a gap: bytes {from}..{to} are gone \
+         (deleted by retention or a removed or truncated segment)"
+    );
+}
+
+/// `data_dir/quarantine/<channel>` (the name must already be validated).
+pub fn quarantine_dir(data_dir: &Path, channel: &str) -> PathBuf {
+    data_dir.join(QUARANTINE_DIR).join(channel)
+}
+
+/// Path of the copy of the record at `offset` of `channel`.
+pub fn quarantine_path(data_dir: &Path, channel: &str, offset: u64) -> PathBuf {
+    quarantine_dir(data_dir, channel).join(format!("{offset:020}.jsonl"))
+}
+
+/// Quarantines the unreadable record `bytes` at `offset` of `channel`: the
+/// first time, copies it aside, counts it and logs it (WARNING, with the
+/// channel, offset, reason and copy); later calls for the same record do
+/// nothing. A copy that cannot be written is logged; the reader goes on.
+pub fn quarantine(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8], reason: &str) {
+    let path = quarantine_path(data_dir, channel, offset);
+    let result = (|| -> io::Result<bool> {
+        segment::create_dir_all(&quarantine_dir(data_dir, channel))?;
+        let mut f = match OpenOptions::new().write(true).create_new(true).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        f.write_all(bytes)?;
+        f.write_all(b"\n")?;
+        f.sync_all()?;
+        Ok(true)
+    })();
+    match result {
+        Ok(false) => {
+            log::debug!("channel {channel:?}: record at offset {offset} was already quarantined")
+        }
+        Ok(true) => {
+            QUARANTINED.fetch_add(1, Ordering::Relaxed);
+            log::warn!(
+                "channel {channel:?}: quarantined the unreadable record at offset {offset} \
+                 ({} bytes): {reason}; copy in {}",
+                bytes.len(),
+                path.display()
+            );
+        }
+        Err(e) => {
+            static FAILED: crate::lograte::RateLimit =
+                crate::lograte::RateLimit::new(std::time::Duration::from_secs(10));
+            QUARANTINED.fetch_add(1, Ordering::Relaxed);
+            if let Some(n) = FAILED.check() {
+                log::warn!(
+                    "channel {channel:?}: unreadable record at offset {offset} ({reason}) \
+                     skipped; cannot copy it to {}: {e} ({n} more since the last report)",
+                    path.display()
+                );
+            }
+        }
+    }
+}
+
+/// Decodes a stored line with the reader rules and the payload-depth rule
+/// of a valid record ([`check_payload_depth`]); the error is the reason the
+/// record is unreadable. Header fields are not re-checked, so records other
+/// writers (keyop-messenger 1.4) accept stay readable.
+pub fn decode_stored(line: &[u8]) -> Result<Envelope, String> {
+    let env = Envelope::decode(line).map_err(|e| format!("unreadable record: {e}"))?;
+    check_payload_depth(env.payload.get().as_bytes()).map_err(|e| e.to_string())?;
+    Ok(env)
+}
+
+/// Where a valid record starts inside an unreadable line, if one does: the
+/// bytes before it are a corrupt record (for example a torn write) glued to
+/// its neighbour, which must not be lost with it.
+pub fn split_point(line: &[u8]) -> Option<usize> {
+    let mut from = 1;
+    while from < line.len() {
+        let i = from + memchr::memmem::find(&line[from..], b"{\"v\":")?;
+        if Envelope::decode(&line[i..]).is_ok() {
+            return Some(i);
+        }
+        from = i + 1;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_finds_a_valid_record_after_garbage() {
+        let good = br#"{"v":1,"id":"a","ts":"2026-03-31T14:22:01Z","channel":"c","origin":"o","payload_type":"t","payload":{"v":2}}"#;
+        let mut line = b"{\"v\":1,\"id\":\"torn".to_vec();
+        line.extend_from_slice(good);
+        assert_eq!(split_point(&line), Some(17));
+        assert_eq!(split_point(good), None);
+        assert_eq!(split_point(b"garbage"), None);
+    }
+}

@@ -1,0 +1,145 @@
+//! Unreadable records already on disk: a subscriber quarantines each once,
+//! dead-letters it with its reason, and delivers its neighbours; a corrupt
+//! run glued to a valid record is split off it.
+
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use keyop_core::storage::quarantine::quarantine_path;
+use keyop_core::storage::Item;
+use keyop_core::{
+    read_channel, BatchOutcome, Delivery, Engine, Envelope, Handler, Outgoing, StoreConfig,
+    SubscribeOptions,
+};
+
+const CH: &str = "orders";
+const DL: &str = "orders.dead-letter";
+
+fn open_engine(data_dir: &Path) -> Engine {
+    let cfg = StoreConfig {
+        data_dir: data_dir.to_owned(),
+        sync_interval_ms: 0,
+        segment_bytes: 0,
+    };
+    Engine::open(cfg, "node").expect("open engine")
+}
+
+fn line(id: &str, n: u64) -> String {
+    format!(
+        r#"{{"v":1,"id":"{id}","ts":"2026-03-31T14:22:01Z","channel":"{CH}","origin":"peer","payload_type":"t","payload":{{"n":{n}}}}}"#
+    )
+}
+
+#[derive(Clone, Default)]
+struct Collect(Arc<Mutex<Vec<String>>>);
+
+impl Handler for Collect {
+    fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
+        let mut got = self.0.lock().expect("lock");
+        got.extend(batch.iter().map(|d| d.envelope.id.clone()));
+        BatchOutcome {
+            handled: batch.len(),
+            failure: None,
+        }
+    }
+}
+
+fn dead_letters(data_dir: &Path) -> Vec<serde_json::Value> {
+    let mut r = read_channel(data_dir, DL, 0).expect("reader");
+    let mut out = Vec::new();
+    while let Some(item) = r.next_item(u64::MAX).expect("read") {
+        if let Item::Record { line, .. } = item {
+            let e = Envelope::decode(&line).expect("a dead letter is a valid envelope");
+            out.push(serde_json::from_str(e.payload.get()).expect("payload"));
+        }
+    }
+    out
+}
+
+#[test]
+fn subscriber_quarantines_and_dead_letters_unreadable_records_and_goes_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path();
+    {
+        let engine = open_engine(data);
+        let m = Outgoing {
+            payload_type: "t",
+            payload_json: b"{}",
+            service_name: None,
+            correlation_id: None,
+        };
+        engine.publish(CH, &m).expect("publish");
+    }
+    let seg = data
+        .join("channels")
+        .join(CH)
+        .join(format!("{:020}.jsonl", 0));
+    let start = fs::metadata(&seg).expect("segment").len();
+    let garbage = "not json at all";
+    let torn = r#"{"v":1,"id":"torn","ts":"20"#;
+    let mut f = fs::OpenOptions::new()
+        .append(true)
+        .open(&seg)
+        .expect("open");
+    writeln!(f, "{garbage}").expect("write");
+    writeln!(f, "{}", line("a", 1)).expect("write");
+    writeln!(f, "{torn}{}", line("glued", 2)).expect("write");
+    writeln!(f, "{}", line("b", 3)).expect("write");
+    drop(f);
+    let subs = data.join("subscribers").join(CH);
+    fs::create_dir_all(&subs).expect("mkdir");
+    fs::write(subs.join("s.offset"), format!("{start}\n")).expect("offset");
+
+    let engine = open_engine(data);
+    let got = Collect::default();
+    let opts = SubscribeOptions {
+        poll_interval: Duration::from_millis(20),
+        ..SubscribeOptions::default()
+    };
+    let _sub = engine
+        .subscribe(CH, "s", got.clone(), opts)
+        .expect("subscribe");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.0.lock().expect("lock").len() < 3 || dead_letters(data).len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "delivery and dead letters in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(*got.0.lock().expect("lock"), vec!["a", "glued", "b"]);
+
+    let letters = dead_letters(data);
+    assert_eq!(letters.len(), 2);
+    assert_eq!(letters[0]["original"], serde_json::Value::Null);
+    assert_eq!(letters[0]["unreadable"], garbage);
+    assert_eq!(letters[0]["offset"], start);
+    assert!(letters[0]["last_error"]
+        .as_str()
+        .expect("text")
+        .starts_with("unreadable record"));
+    assert_eq!(letters[1]["unreadable"], torn);
+    let glued_at = start + garbage.len() as u64 + 1 + line("a", 1).len() as u64 + 1;
+    assert_eq!(letters[1]["offset"], glued_at);
+
+    let copy = quarantine_path(data, CH, start);
+    assert_eq!(
+        fs::read_to_string(&copy).expect("copy"),
+        format!("{garbage}\n")
+    );
+    assert_eq!(
+        letters[0]["quarantine_file"],
+        copy.strip_prefix(data)
+            .expect("under data_dir")
+            .to_str()
+            .expect("utf-8")
+    );
+    let torn_copy = quarantine_path(data, CH, glued_at);
+    assert_eq!(
+        fs::read_to_string(torn_copy).expect("copy"),
+        format!("{torn}\n")
+    );
+}

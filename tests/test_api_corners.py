@@ -1,0 +1,281 @@
+"""Small corners of the public API (client-API issue, item 8): a messenger
+from a plain dict, ``Config.from_file``, what the package exports, every
+method refusing after ``close()``, and payload type names checked by the
+engine's rule."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fed_helpers
+import keyop_messenger as km
+from fed_helpers import PKI, client_config
+from keyop_messenger import (
+    ClosedError,
+    Config,
+    ConfigError,
+    EphemeralMessenger,
+    InvalidNameError,
+    Messenger,
+    PayloadTypeError,
+    Subscription,
+)
+from keyop_messenger import errors as errors_module
+
+pki = fed_helpers.pki
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config_dict(tmp_path: Path) -> dict[str, Any]:
+    return {"name": "corner", "storage": {"data_dir": str(tmp_path / "data")}}
+
+
+# -- Messenger(dict), Config.from_file ----------------------------------------
+
+
+def test_messenger_accepts_a_dict(tmp_path: Path) -> None:
+    with Messenger(config_dict(tmp_path)) as m:
+        assert m.config == Config.from_dict(config_dict(tmp_path))
+        msg_id = m.publish("temps", "t", {"c": 1})
+        assert [e.message.id for e in m.read_channel("temps")] == [msg_id]
+
+
+def test_messenger_dict_is_validated(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        Messenger({**config_dict(tmp_path), "storage": {"sync_interval_ms": -1}})
+    assert "storage.sync_interval_ms" in str(err.value)
+
+
+def test_ephemeral_messenger_accepts_a_dict(pki: PKI, tmp_path: Path) -> None:
+    d = client_config(pki, tmp_path, "node1", 1).to_dict()
+    e = EphemeralMessenger(d)
+    try:
+        assert e.name == "node1"
+    finally:
+        e.close()
+
+
+def test_config_from_file(tmp_path: Path) -> None:
+    path = tmp_path / "keyop.yaml"
+    path.write_text(f"name: corner\nstorage:\n  data_dir: {tmp_path / 'data'}\n")
+    assert Config.from_file(path) == Config.from_dict(config_dict(tmp_path))
+    assert Config.from_file(str(path)) == km.load_config(path)
+    with pytest.raises(ConfigError, match="cannot read configuration file"):
+        Config.from_file(tmp_path / "missing.yaml")
+    with Messenger(path) as m:
+        assert m.name == "corner"
+
+
+# -- __all__ -------------------------------------------------------------------
+
+
+def documented_names() -> set[str]:
+    """``km.X`` and ``from keyop_messenger import X`` names in README and docs."""
+    names: set[str] = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        names.update(re.findall(r"\bkm\.([A-Za-z_]\w*)", text))
+        imports = r"from keyop_messenger import (?:\(([^)]*)\)|([^\n#]+))"
+        for paren, line in re.findall(imports, text):
+            for item in (paren or line).split(","):
+                if item.split():
+                    names.add(item.split()[0])
+    return names - {"spark", "cli", "aio", "metrics", "bench"}  # submodules
+
+
+def test_all_exports_what_the_docs_use() -> None:
+    names = documented_names()
+    assert {"Messenger", "load_config", "context", "read_channel", "Message"} <= names
+    missing = sorted(names - set(km.__all__))
+    assert not missing, f"README/docs use names missing from keyop_messenger.__all__: {missing}"
+
+
+def test_all_exports_every_error_and_resolves() -> None:
+    errors = {
+        name
+        for name, obj in vars(errors_module).items()
+        if isinstance(obj, type) and issubclass(obj, km.KeyopError)
+    }
+    assert not errors - set(km.__all__), errors - set(km.__all__)
+    # What a reader of read_channel's and subscribe's signatures needs too.
+    assert {"PayloadRegistry", "Handler", "Subscription", "LogEntry"} <= set(km.__all__)
+    namespace: dict[str, Any] = {}
+    exec("from keyop_messenger import *", namespace)
+    assert set(km.__all__) <= set(namespace)
+    assert len(km.__all__) == len(set(km.__all__))
+
+
+# -- after close -----------------------------------------------------------------
+
+#: An argument for each required parameter a public method may take.
+ARGS: dict[str, Any] = {
+    "channel": "temps",
+    "subscriber_id": "sub",
+    "handler": lambda message: None,
+    "payload_type": "t",
+    "payload": {"c": 1},
+    "items": [("t", {"c": 1})],
+    "name": "x.Type",
+    "cls": dict,
+    "timeout": 0.1,
+}
+
+
+def public_methods(cls: type) -> dict[str, Callable[..., Any]]:
+    """Public callables of ``cls`` (inherited and native ones included),
+    properties left out."""
+    out = {}
+    for name in dir(cls):
+        if name.startswith("_") or name == "close":
+            continue
+        attr = inspect.getattr_static(cls, name)
+        if isinstance(attr, property) or not callable(getattr(cls, name)):
+            continue
+        out[name] = getattr(cls, name)
+    return out
+
+
+def call_all_after_close(obj: Any, cls: type) -> list[str]:
+    """Calls every public method of the closed ``obj``; returns those that did
+    not raise ClosedError at the call."""
+    wrong = []
+    for name in public_methods(cls):
+        method = getattr(obj, name)
+        try:
+            sig = inspect.signature(method)
+        except (TypeError, ValueError):  # a native method without a signature
+            sig = None
+        args = []
+        for p in sig.parameters.values() if sig else []:
+            if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            if p.name not in ARGS:
+                pytest.fail(f"{cls.__name__}.{name}: add an argument for {p.name!r} to ARGS")
+            args.append(ARGS[p.name])
+        if sig is None and name == "publish":
+            args = [ARGS["channel"], ARGS["payload_type"], ARGS["payload"]]
+        try:
+            method(*args)
+        except ClosedError as exc:
+            assert "is closed" in str(exc), (name, exc)
+        except Exception as exc:  # reported below
+            wrong.append(f"{name}: {type(exc).__name__}: {exc}")
+        else:
+            wrong.append(f"{name}: no error")
+    return wrong
+
+
+def test_every_messenger_method_raises_closed_error_after_close(tmp_path: Path) -> None:
+    m = Messenger(config_dict(tmp_path))
+    m.publish("temps", "t", {"c": 1})
+    m.close()
+    methods = set(public_methods(Messenger))
+    assert {"publish", "publish_batch", "subscribe", "unsubscribe", "read_channel", "stats",
+            "compact", "federation_status", "register_payload_type", "stream_end"} <= methods
+    assert call_all_after_close(m, Messenger) == []
+    m.close()  # still idempotent
+
+
+def test_every_ephemeral_method_raises_closed_error_after_close(
+    pki: PKI, tmp_path: Path
+) -> None:
+    e = EphemeralMessenger(client_config(pki, tmp_path, "node1", 1))
+    e.close()
+    methods = set(public_methods(EphemeralMessenger))
+    assert {"connect", "publish", "publish_batch", "subscribe", "status",
+            "register_payload_type"} <= methods
+    assert call_all_after_close(e, EphemeralMessenger) == []
+
+
+@pytest.mark.parametrize("closer", ["subscription", "messenger"])
+def test_every_subscription_method_raises_closed_error_after_close(
+    tmp_path: Path, closer: str
+) -> None:
+    m = Messenger(config_dict(tmp_path))
+    try:
+        sub = m.subscribe("temps", "sub", lambda message: None)
+        (sub if closer == "subscription" else m).close()
+        assert call_all_after_close(sub, Subscription) == []
+        assert (sub.channel, sub.subscriber_id) == ("temps", "sub")
+    finally:
+        m.close()
+
+
+def test_closed_guard_covers_methods_added_later() -> None:
+    """The guard is a class decorator over every public method, so one added
+    without thinking of close() is covered too."""
+    from keyop_messenger._closing import refuse_when_closed
+
+    @refuse_when_closed(lambda o: o.done, lambda o: "thing")
+    class Thing:
+        done = False
+
+        def new_method(self) -> int:
+            return 1
+
+        def gen(self) -> Any:
+            yield 1
+
+        def close(self) -> None:
+            self.done = True
+
+    t = Thing()
+    assert t.new_method() == 1
+    t.close()
+    with pytest.raises(ClosedError, match=r"thing is closed: new_method\(\) cannot be called"):
+        t.new_method()
+    with pytest.raises(ClosedError):
+        t.gen()  # at the call, not at the first next()
+
+
+# -- payload type names ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["a\nb", "tab\there", "nul\x00", "del\x7f", "c1\x85", "x" * 256]
+)
+def test_register_payload_type_refuses_what_the_engine_refuses(
+    tmp_path: Path, name: str
+) -> None:
+    with Messenger(config_dict(tmp_path)) as m:
+        with pytest.raises(InvalidNameError, match="payload_type") as reg:
+            m.register_payload_type(name, dict)
+        assert m._registry.registered(name) is None
+        # The same rule as a publish with that type: one definition.
+        with pytest.raises(InvalidNameError) as pub:
+            m.publish("temps", name, {})
+        assert str(reg.value) == str(pub.value)
+
+
+@pytest.mark.parametrize("name", ["x" * 255, "com.example.Reading", "héllo wörld", "a/b:c"])
+def test_register_payload_type_accepts_valid_names(tmp_path: Path, name: str) -> None:
+    with Messenger(config_dict(tmp_path)) as m:
+        m.register_payload_type(name, dict)
+        m.publish("temps", name, {"k": 1})
+        assert [e.message.payload_type for e in m.read_channel("temps")] == [name]
+
+
+def test_register_payload_type_empty_name_is_still_a_payload_type_error(tmp_path: Path) -> None:
+    with Messenger(config_dict(tmp_path)) as m, pytest.raises(PayloadTypeError):
+        m.register_payload_type("", dict)
+
+
+def test_async_messenger_accepts_a_dict(tmp_path: Path) -> None:
+    import asyncio
+
+    from keyop_messenger.aio import AsyncMessenger
+
+    async def main() -> list[str]:
+        async with AsyncMessenger(config_dict(tmp_path)) as m:
+            msg_id = await m.publish("temps", "t", {"c": 1})
+            return [msg_id, *(e.message.id for e in m.messenger.read_channel("temps"))]
+
+    first, *stored = asyncio.run(main())
+    assert stored == [first]
