@@ -7,6 +7,7 @@ tests/test_spark.py, a missing pyspark/pyarrow/Java fails every test here.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -267,3 +268,72 @@ def test_streaming_query_fails_on_data_loss_by_default(
         run("loss_strict")
     run("loss_lenient", failOnDataLoss="false")
     assert spark.sql("SELECT count(*) AS n FROM loss_lenient").first()["n"] == kept
+
+
+# ---------------------------------------------------------------------------
+# Offsets options (Kafka's names): startingOffsets, endingOffsets, maxOffsetsPerTrigger
+# ---------------------------------------------------------------------------
+
+
+def test_starting_and_ending_offsets_bound_a_batch_read(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    two_segments(data_dir)
+
+    def read(**extra: str) -> Any:
+        r = spark.read.format("keyop").option("data_dir", str(data_dir)).option("channel", "c")
+        for k, v in extra.items():
+            r = r.option(k, v)
+        return r.load()
+
+    offsets = [r["offset"] for r in read().select("offset").orderBy("offset").collect()]
+    assert len(offsets) == 610
+    lo, hi = offsets[100], offsets[500]
+    got = read(startingOffsets=json.dumps({"c": lo}), endingOffsets=json.dumps({"c": hi}))
+    assert [r["offset"] for r in got.select("offset").orderBy("offset").collect()] == offsets[
+        100:500
+    ]
+    # Plain values and Kafka's names; an offset inside a record moves to the next one.
+    assert read(startingOffsets="earliest", endingOffsets=str(hi - 1)).count() == 500
+    assert read(startingOffsets="latest").count() == 0
+    with pytest.raises(Exception, match="must name exactly the channel read"):
+        read(startingOffsets=json.dumps({"other": 0})).collect()
+    with pytest.raises(Exception, match="give one of the options 'start_offset' and"):
+        read(startingOffsets="earliest", start_offset="0").collect()
+    with pytest.raises(Exception, match="'maxOffsetsPerTrigger' applies to streaming reads"):
+        read(maxOffsetsPerTrigger="1000").collect()
+
+
+def test_max_offsets_per_trigger_splits_micro_batches(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxBytes
+
+    data_dir = tmp_path / "data"
+    two_segments(data_dir)
+    end = ks.stream_end(str(data_dir), "c")
+    reader = stream_reader(spark, data_dir, maxOffsetsPerTrigger="300000")
+    assert reader.getDefaultReadLimit() == ReadMaxBytes(300000)
+    cut = reader.latestOffset({"offset": 0}, ReadMaxBytes(300000))["offset"]
+    assert 300000 <= cut < 300000 + 2400 and cut == ks.align_offset(str(data_dir), "c", cut)
+    assert reader.latestOffset({"offset": 0}, ReadAllAvailable()) == {"offset": end}
+
+    query = (
+        spark.readStream.format("keyop")
+        .option("data_dir", str(data_dir))
+        .option("channel", "c")
+        .option("maxOffsetsPerTrigger", "300000")
+        .load()
+        .writeStream.format("memory")
+        .queryName("limited")
+        .option("checkpointLocation", str(tmp_path / "limited"))
+        .start()
+    )
+    try:
+        query.processAllAvailable()
+        batches = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+    finally:
+        query.stop()
+    assert sum(batches) == 610 and len(batches) >= 4, batches
+    assert spark.sql("SELECT count(DISTINCT id) AS n FROM limited").first()["n"] == 610

@@ -88,6 +88,12 @@ Read options
     ``data_dir`` and ``channel`` (required). ``start_offset``: ``earliest`` (default),
     ``latest`` (streaming) or a global byte offset (e.g. a value of the ``offset``
     column; an offset inside a record moves to the next record).
+    ``startingOffsets``: the same under Kafka's name (also ``-2``/``-1`` and a JSON
+    object per channel, ``{"readings": 1234}``, which must name the channel read).
+    ``endingOffsets`` (batch reads): ``latest`` (default), a byte offset or a JSON
+    object per channel; the read stops before the first record at or after it.
+    ``maxOffsetsPerTrigger`` (streaming): at most about this many bytes of offsets
+    per micro-batch (cut at the next record boundary; pyspark 4.2+).
     ``max_partition_bytes``: split a segment into input partitions of about this many
     bytes, cut at record boundaries (default 0: one partition per segment file).
     ``payload_schema``: a DDL field list (``"a INT, b STRUCT<c: STRING>"``); the

@@ -45,6 +45,9 @@ READ_OPTIONS = (
     "retain_as",
     "failOnDataLoss",
     "allowMissing",
+    "startingOffsets",
+    "endingOffsets",
+    "maxOffsetsPerTrigger",
 )
 #: Options of a write (batch or streaming).
 WRITE_OPTIONS = (

@@ -218,6 +218,8 @@ class ReadSpec:
     retain_as: str | None = None
     fail_on_data_loss: bool = True
     allow_missing: bool = False
+    ending_offset: str = "latest"
+    max_offsets_per_trigger: int = 0
 
     @classmethod
     def from_options(cls, options: Any, schema: StructType) -> ReadSpec:
@@ -227,17 +229,20 @@ class ReadSpec:
         # Absolute, resolved on the driver: executors may run in another directory.
         data_dir = os.path.abspath(o.required("data_dir", "the data directory to read"))
         channel = o.required("channel", "the channel to read")
-        start = (o.get("start_offset") or "earliest").strip().lower()
-        if start not in ("earliest", "latest"):
-            try:
-                if int(start) < 0:
-                    raise ValueError
-            except ValueError:
-                raise ValueError(
-                    "keyop data source: option 'start_offset' must be 'earliest', 'latest' "
-                    f"or a byte offset >= 0, got {start!r}"
-                ) from None
         check_channel(channel, publish=False)
+        if o.get("start_offset") and o.get("startingOffsets"):
+            raise ValueError(
+                "keyop data source: give one of the options 'start_offset' and "
+                "'startingOffsets' (the same thing, Kafka's name)"
+            )
+        key = "startingOffsets" if o.get("startingOffsets") else "start_offset"
+        start = _offset_option(o, key, channel, "earliest")
+        ending = _offset_option(o, "endingOffsets", channel, "latest")
+        if ending == "earliest":
+            raise ValueError(
+                "keyop data source: option 'endingOffsets' must be 'latest', a byte offset "
+                "or a JSON object of them per channel, got 'earliest'"
+            )
         _check_read_schema(schema)
         retain_as = o.get("retain_as") or None
         if retain_as is not None:
@@ -251,6 +256,8 @@ class ReadSpec:
             retain_as,
             o.boolean("failOnDataLoss", True),
             o.boolean("allowMissing", False),
+            ending,
+            o.integer("maxOffsetsPerTrigger", 0),
         )
 
     def exists(self) -> bool:
@@ -267,6 +274,14 @@ class ReadSpec:
         if self.start_offset == "latest":
             return stream_end(self.data_dir, self.channel)
         return align_offset(self.data_dir, self.channel, int(self.start_offset))
+
+    def end(self) -> int:
+        """The offset a batch read ends at (``endingOffsets``: the committed end,
+        or a byte offset moved to the next record and capped at the end)."""
+        end = stream_end(self.data_dir, self.channel)
+        if self.ending_offset == "latest":
+            return end
+        return min(end, align_offset(self.data_dir, self.channel, int(self.ending_offset)))
 
     def partitions(self, start: int, end: int) -> list[KeyopPartition]:
         """The input partitions covering the byte range ``[start, end)``, cut between records."""
@@ -326,6 +341,40 @@ def _read_partition(
         yield pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
 
 
+def _offset_option(o: Options, key: str, channel: str, default: str) -> str:
+    """An offset option: ``earliest``, ``latest``, a byte offset >= 0, or (as
+    Spark's Kafka source takes them) a JSON object of those per channel, which
+    must name the channel read (and no other); returned as text."""
+    text = (o.get(key) or default).strip()
+    value: Any = text
+    if text.startswith("{"):
+        try:
+            per_channel = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(
+                f"keyop data source: option {key!r} is not valid JSON ({exc}): {text!r}"
+            ) from None
+        if not isinstance(per_channel, dict) or set(per_channel) != {channel}:
+            raise ValueError(
+                f"keyop data source: option {key!r} must name exactly the channel read "
+                f"({channel!r}), got {text!r}"
+            )
+        value = per_channel[channel]
+    value = str(value).strip().lower()
+    if value in ("earliest", "latest"):
+        return value
+    if value == "-2":  # Kafka's numeric names
+        return "earliest"
+    if value == "-1":
+        return "latest"
+    if not value.isdigit():
+        raise ValueError(
+            f"keyop data source: option {key!r} must be 'earliest', 'latest', a byte "
+            f"offset >= 0 or a JSON object of them per channel, got {text!r}"
+        )
+    return str(int(value))
+
+
 def check_exists(data_dir: str, channel: str, *, allow_missing: bool) -> bool:
     """True if ``channel`` exists in ``data_dir``. A missing data directory
     raises :class:`DataDirNotFoundError`, a missing channel
@@ -354,7 +403,7 @@ class BatchReader(DataSourceReader):
     """Batch read of a channel: everything committed when the read was planned."""
     def __init__(self, spec: ReadSpec) -> None:
         self.spec = spec
-        self.end = stream_end(spec.data_dir, spec.channel) if spec.exists() else 0
+        self.end = spec.end() if spec.exists() else 0
 
     def partitions(self) -> Sequence[InputPartition]:
         """One input partition per segment file (split further by ``max_partition_bytes``)."""

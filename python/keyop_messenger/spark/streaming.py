@@ -19,7 +19,7 @@ from pyspark.sql.types import (
     Row,
 )
 
-from .reader import KeyopPartition, ReadSpec, list_segments, stream_end
+from .reader import KeyopPartition, ReadSpec, align_offset, list_segments, stream_end
 from .writer import PartitionCommit, WriteSpec, publish_arrow, publish_rows, report
 
 try:  # pyspark >= 4.1
@@ -110,15 +110,28 @@ class StreamReader(DataSourceStreamReader):
         self._retain(start)
         return {"offset": start}
 
+    def getDefaultReadLimit(self) -> Any:
+        """``maxOffsetsPerTrigger`` as a byte limit per micro-batch (pyspark 4.2+)."""
+        from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxBytes
+
+        n = self.spec.max_offsets_per_trigger
+        return ReadMaxBytes(n) if n > 0 else ReadAllAvailable()
+
     # Works with both signatures: latestOffset() (pyspark < 4.2) and
-    # latestOffset(start, limit); every limit is read as "all available".
+    # latestOffset(start, limit). A ReadMaxBytes limit (``maxOffsetsPerTrigger``)
+    # ends the batch at the first record boundary at or after start + limit.
     def latestOffset(
         self, start: dict[str, Any] | None = None, limit: Any = None
     ) -> dict[str, int]:
-        """The committed end of the channel (whole records only), never before ``start``."""
+        """The end of the next micro-batch: the committed end of the channel,
+        or less under ``maxOffsetsPerTrigger``."""
         end = stream_end(self.spec.data_dir, self.spec.channel)
         if start is not None:
-            end = max(end, _offset_of(start))
+            lo = _offset_of(start)
+            end = max(end, lo)
+            max_bytes = getattr(limit, "max_bytes", 0) or 0
+            if max_bytes > 0 and lo + max_bytes < end:
+                end = align_offset(self.spec.data_dir, self.spec.channel, lo + max_bytes)
         return {"offset": end}
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
