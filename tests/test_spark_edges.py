@@ -103,6 +103,11 @@ def test_unknown_read_option_raises_with_did_you_mean(spark: SparkSession, tmp_p
     text = str(info.value)
     assert "unknown option for a read: 'chanel' (did you mean 'channel'?)" in text
     assert "valid options are: data_dir, channel, start_offset" in text
+    # A path given to load() would be ignored: it is refused too.
+    with pytest.raises(Exception, match="unknown option for a read: 'path'"):
+        spark.read.format("keyop").option("data_dir", str(tmp_path)).option(
+            "channel", "x"
+        ).load(str(tmp_path)).collect()
 
 
 def test_unknown_write_option_raises_with_did_you_mean(

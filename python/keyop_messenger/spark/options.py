@@ -69,7 +69,8 @@ WRITE_OPTIONS = (
     "report_path",
 )
 #: Options Spark itself may pass along with the user's (never an error).
-SPARK_OPTIONS = ("path", "checkpointLocation")
+#: ``path`` (``load(path)``/``save(path)``) is not one: it would be ignored.
+SPARK_OPTIONS = ("checkpointLocation",)
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 

@@ -328,6 +328,8 @@ class _DirTarget(_Target):
             rows, offset = 0, stream_end(self.data_dir, channel)
             self._write_progress(path, rows, offset)
             return 0
+        if not os.path.isdir(os.path.join(self.data_dir, "channels", channel)):
+            return rows
         # Chunks committed after the last progress write: their ids say which rows.
         for record in _core.read_channel(self.data_dir, channel, offset, skip_gaps=True):
             rid = record[2]
