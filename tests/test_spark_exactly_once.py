@@ -216,7 +216,7 @@ def test_aborted_job_reports_the_rows_it_committed(spark: SparkSession, tmp_path
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Iterator[Hub]:  # noqa: F811
     class ExactHub(Hub):
-        CHANNELS = ("exact",)
+        CHANNELS = ("exact", "exact-helper")
 
     h = ExactHub(tmp_path_factory.mktemp("hub"), certs)
     try:
@@ -249,3 +249,15 @@ def test_retried_task_writes_each_row_once_through_hub(
     counts = json.loads(report.read_text())
     assert counts["rows"] == ROWS
     assert next(p for p in counts["partitions"] if p["partition_id"] == 0)["attempt"] == 1
+
+
+def test_publish_partitions_retried_task_writes_each_row_once(
+    spark: SparkSession, hub: Hub
+) -> None:
+    df = failing_frame(spark, HubCommitted(hub.out, "exact-helper"))
+    n = ks.publish_partitions(df, "exact-helper", "t", hub.config, batch_size=BATCH)
+    assert n == ROWS  # the failed attempt's accumulator updates are not counted
+    got = hub.wait_count("exact-helper", ROWS)
+    assert len(got) == ROWS, f"{len(got) - ROWS} rows stored twice"
+    per_part = {p: sum(1 for r in got if r["payload"]["part"] == p) for p in (0, 1)}
+    check_ids([r["id"] for r in got], per_part)
