@@ -1,3 +1,5 @@
+# why this file is long: one write path (targets, exactly-once ids and resume, chunked
+# publishing, commit reports) shared by batch, streaming and publish_partitions.
 """Writing: options of a write, where a task publishes (hub or data directory),
 publishing a partition in chunks, commit reports, the batch writer and
 :func:`publish_partitions`."""
