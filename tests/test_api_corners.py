@@ -125,6 +125,7 @@ ARGS: dict[str, Any] = {
     "name": "x.Type",
     "cls": dict,
     "timeout": 0.1,
+    "peers": [],
 }
 
 

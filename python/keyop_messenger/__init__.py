@@ -1,4 +1,12 @@
-"""keyop-messenger: fast, small, durable and federated pub/sub with a Rust engine."""
+"""keyop-messenger: fast, small, durable and federated pub/sub with a Rust engine.
+
+Every log record of the package, the Rust engine's included (bridged with
+pyo3-log as ``keyop_messenger.keyop_core.<module>``), comes from a logger under
+``keyop_messenger``; the package adds only a ``NullHandler`` there, so the
+application decides where records go (``keyop-messenger run`` sets up stderr).
+"""
+
+import logging as _logging
 
 from ._core import __version__
 from .config import (
@@ -54,6 +62,8 @@ from .stats import (
     Totals,
 )
 from .subscription import Handler, Subscription
+
+_logging.getLogger("keyop_messenger").addHandler(_logging.NullHandler())
 
 __all__ = [
     "AllowedPeer",

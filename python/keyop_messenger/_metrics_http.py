@@ -1,18 +1,23 @@
-"""The HTTP side of the ``/metrics`` endpoint (imported only when it is served)."""
+"""The HTTP side of the metrics listener (imported only when it is served):
+``/metrics`` and the health endpoints ``/healthz``, ``/readyz``, ``/status``."""
 
 from __future__ import annotations
 
+import json
 import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ._prometheus import CONTENT_TYPE, StatsSource, log, render
+from ._prometheus import CONTENT_TYPE, log, render
+from .health import Health
 
 __all__ = ["Handler", "Server", "Server6"]
+
+_TEXT = "text/plain; charset=utf-8"
 
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
-    source: StatsSource
+    health: Health
 
 
 class Server6(Server):
@@ -24,14 +29,38 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "keyop-messenger"
 
     def do_GET(self) -> None:
-        if self.path.split("?", 1)[0] != "/metrics":
-            self._reply(404, b"not found; metrics are at /metrics\n", "text/plain; charset=utf-8")
+        path = self.path.split("?", 1)[0]
+        health = self.server.health
+        if path == "/healthz":
+            self._reply(200, b"ok\n", _TEXT)
+        elif path == "/readyz":
+            ready, reason = health.readiness()
+            self._reply(200 if ready else 503, f"{reason}\n".encode(), _TEXT)
+        elif path == "/status":
+            try:
+                doc = health.status()
+            except Exception as exc:
+                log.warning("status: cannot collect stats: %s", exc)
+                self._reply(503, f"cannot collect stats: {exc}\n".encode(), _TEXT)
+                return
+            self._reply(200, (json.dumps(doc) + "\n").encode(), "application/json")
+        elif path == "/metrics":
+            self._metrics(health)
+        else:
+            self._reply(
+                404, b"not found; try /metrics, /healthz, /readyz or /status\n", _TEXT
+            )
+
+    def _metrics(self, health: Health) -> None:
+        source = health.source
+        if source is None:
+            self._reply(503, f"{health.state}\n".encode(), _TEXT)
             return
         try:
-            body = render(self.server.source.stats()).encode()
+            body = render(source.stats()).encode()
         except Exception as exc:
             log.warning("metrics: cannot collect stats: %s", exc)
-            self._reply(503, f"cannot collect stats: {exc}\n".encode(), "text/plain")
+            self._reply(503, f"cannot collect stats: {exc}\n".encode(), _TEXT)
             return
         self._reply(200, body, CONTENT_TYPE)
 

@@ -67,7 +67,10 @@ class MessageTooLargeError(KeyopError, ValueError):
 
 
 class StorageError(KeyopError, OSError):
-    """Reading or writing the data directory failed; a failed publish was not committed."""
+    """Reading or writing the data directory failed; a failed publish was not committed.
+
+    The message names the file; ``errno`` is the OS error (e.g. ``errno.ENOSPC``,
+    ``errno.EIO``, ``errno.EROFS``) when the OS reported one, else ``None``."""
 
 
 class DataDirLockedError(StorageError):

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import _core
 from ._closing import _SyncContext, refuse_when_closed
-from .config import Config, load_config
+from .config import AllowedPeer, Config, load_config
 from .context import _CONTEXT, resolve
 from .errors import send_batch, unicode_error
 from .message import LogEntry, entry_from_row
@@ -150,6 +150,13 @@ class Messenger(_core.MessengerBase, _SyncContext):
         ``refused_channels`` (configured publish channels the hub's handshake
         refuses; not sent, kept here) and ``refused_subscriptions``."""
         return self._engine.federation_status()
+
+    def set_allowed_peers(self, peers: list[AllowedPeer]) -> list[str]:
+        """Replaces ``hub.allowed_peers`` of the running hub (``keyop-messenger
+        run`` does it on SIGHUP). Connected peers whose entry went or changed
+        are disconnected and reconnect under the new list; returns their names.
+        Raises :class:`FederationError` when the hub is not enabled."""
+        return self._engine.set_allowed_peers(json.dumps([dataclasses.asdict(p) for p in peers]))
 
     def register_payload_type(self, name: str, cls: type) -> None:
         """Associates payload type ``name`` with ``cls`` (dataclass, pydantic

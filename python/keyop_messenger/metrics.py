@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 
 from ._prometheus import CONTENT_TYPE, StatsSource, render
 from .errors import MetricsError
+from .health import Health
 
 if TYPE_CHECKING:
     from ._metrics_http import Server
@@ -84,12 +85,21 @@ def parse_listen_addr(addr: str) -> tuple[str, int]:
 
 
 class MetricsServer:
-    """Serves ``GET /metrics`` (404 elsewhere) from ``source.stats()`` on
-    ``listen_addr`` (``host:port``; port 0 picks a free port, see
-    :attr:`address`). Runs in a daemon thread; :meth:`close` stops it."""
+    """Serves ``GET /metrics`` from ``source.stats()`` and the health endpoints
+    ``/healthz``, ``/readyz`` and ``/status`` (:mod:`keyop_messenger.health`;
+    404 elsewhere) on ``listen_addr`` (``host:port``; port 0 picks a free
+    port, see :attr:`address`). Runs in a daemon thread; :meth:`close` stops it.
 
-    def __init__(self, source: StatsSource, listen_addr: str) -> None:
-        self._source = source
+    Without ``health`` the source counts as ready from the start (a messenger
+    starts its own listener once it is open); ``keyop-messenger run`` passes
+    its own :class:`~keyop_messenger.health.Health` (source None until the
+    messenger is open) to answer 503 on ``/readyz`` while starting and stopping.
+    """
+
+    def __init__(
+        self, source: StatsSource | None, listen_addr: str, *, health: Health | None = None
+    ) -> None:
+        self.health = health if health is not None else Health(source, ready=True)
         self._host, self._port = parse_listen_addr(listen_addr)
         self._listen_addr = listen_addr
         self._server: Server | None = None
@@ -117,7 +127,7 @@ class MetricsServer:
                 raise MetricsError(
                     f"metrics: cannot listen on {self._listen_addr}: {exc.strerror or exc}"
                 ) from exc
-            server.source = self._source
+            server.health = self.health
             self._server = server
             self._thread = threading.Thread(
                 target=server.serve_forever,
@@ -147,6 +157,7 @@ class MetricsServer:
 
     def close(self) -> None:
         """Stops serving and releases the port. Idempotent."""
+        self.health.mark_stopping()
         with self._lock:
             self._closed = True
             server, self._server = self._server, None

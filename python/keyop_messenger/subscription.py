@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import typing
 from typing import Any
 
 from . import _core
@@ -16,8 +16,13 @@ __all__ = ["Deliverer", "Handler", "Subscription"]
 
 log = logging.getLogger("keyop_messenger")
 
-Handler = Callable[[Message], Any]
-"""A subscriber callback: returning acknowledges, raising means retry."""
+# typing.Callable rather than collections.abc's: its alias takes a __doc__, so
+# help(km.Handler) and the API reference show what a handler is.
+Handler = typing.Callable[[Message], Any]
+Handler.__doc__ = (
+    "A subscriber callback, ``(message) -> Any``: returning acknowledges the message, "
+    "raising means retry (then dead-letter)."
+)
 
 _Failure = tuple[bool, str] | None
 

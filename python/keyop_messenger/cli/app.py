@@ -8,16 +8,23 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import bench, dead_letters, keygen, pubsub, stats
+from . import bench, dead_letters, demo, keygen, pubsub, run, stats
 from .common import CommandError, OpsUsageError, Parser, PipeClosed, UsageError
+from .logsetup import setup_command_logging
 
 
 def _build_parser() -> Parser:
     parser = Parser(
         prog="keyop-messenger",
-        description="keyop-messenger: certificates and operator commands.",
+        description="keyop-messenger: run an instance, certificates and operator commands.",
     )
     parser.set_defaults(print_help=parser.print_help, kind=None, func=None)
+    from .. import __version__
+
+    parser.add_argument(
+        "--version", action="version", version=f"keyop-messenger {__version__}",
+        help="print the version and exit",
+    )  # fmt: skip
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     commands.add_parser("version", help="print the version")
     bench.add_parsers(commands)
@@ -25,6 +32,8 @@ def _build_parser() -> Parser:
     pubsub.add_parsers(commands)
     stats.add_parsers(commands)
     dead_letters.add_parsers(commands)
+    run.add_parsers(commands)
+    demo.add_parsers(commands)
     return parser
 
 
@@ -66,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = _normalise(list(sys.argv[1:] if argv is None else argv))
     if args_list[:1] == ["bench"]:
         return bench.run(args_list[1:])
+    if args_list[:1] != ["run"]:
+        setup_command_logging()
     try:
         args = parser.parse_args(args_list)
         return _run(args)

@@ -215,11 +215,15 @@ def table(rows: Sequence[Sequence[Any]], right: set[int]) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def load(path: str) -> Config:
-    """The validated configuration in the YAML file ``path``."""
+def load(path: str, overrides: Sequence[str] = ()) -> Config:
+    """The configuration file ``path`` as every command reads it: relative paths
+    relative to the file's folder, ``KEYOP_<SECTION>__<KEY>`` environment
+    variables and then ``overrides`` (``section.key=value``) over its keys."""
+    import os
+
     from ..config import load_config
 
-    return load_config(path)
+    return load_config(path, resolve_paths=True, environ=os.environ, overrides=overrides)
 
 
 def local_only(config: Config) -> Config:
@@ -246,9 +250,34 @@ def open_local(config_path: str, hint: str = "") -> Messenger:
     try:
         return Messenger(config)
     except DataDirLockedError as err:
-        if hint:
-            raise CommandError(f"{err} ({hint})") from err
-        raise
+        pid = lock_holder(config.storage.data_dir)
+        held = f" (held by process {pid})" if pid is not None else ""
+        raise CommandError(f"{err}{held}" + (f" ({hint})" if hint else "")) from err
+
+
+def lock_holder(data_dir: str) -> int | None:
+    """The process holding the flock of ``data_dir``'s lock file, from
+    ``/proc/locks`` (Linux); None when it cannot be told."""
+    import os
+
+    try:
+        st = os.stat(os.path.join(data_dir, "keyop.lock"))
+        with open("/proc/locks", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:10094676 0 EOF" ("->" marks waiters)
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == wanted:
+            try:
+                pid = int(parts[4])
+            except ValueError:
+                continue
+            if pid > 0:
+                return pid
+    return None
 
 
 def ephemeral_config(config: Config, subscribe: list[str] | None = None) -> Config:

@@ -85,6 +85,12 @@ def add_parsers(commands: Any) -> None:
     how = sub.add_mutually_exclusive_group()
     how.add_argument("--id", metavar="ID", help="durable subscriber id")
     how.add_argument("--ephemeral", action="store_true", help="live messages through the first hub")
+    how.add_argument(
+        "--from", dest="from_offset", type=non_negative_int, metavar="OFFSET",
+        help="read the channel's files from OFFSET (0: the beginning; or an offset "
+        "tail printed) without taking the data directory, so also next to a running "
+        "messenger; messages are printed with their offset and nothing is acknowledged",
+    )  # fmt: skip
     sub.add_argument("--count", type=non_negative_int, metavar="N", help="stop after N messages")
     sub.add_argument("--timeout", type=positive_float, metavar="S", help="stop after S seconds")
     sub.add_argument("channel", metavar="CHANNEL")
@@ -215,6 +221,8 @@ class _Silence(logging.Filter):
 
 def _cmd_sub(args: argparse.Namespace) -> int:
     config = load(args.config)
+    if args.from_offset is not None:
+        return _sub_from_files(Path(config.storage.data_dir), args)
     out = Out()
     lock = threading.Lock()
     done = threading.Event()
@@ -276,6 +284,47 @@ def _cmd_sub(args: argparse.Namespace) -> int:
     if limit is not None and state["count"] < limit:
         raise CommandError(
             f"timed out after {args.timeout:g} s: received {state['count']} of {limit} messages"
+        )
+    return 0
+
+
+def _sub_from_files(data_dir: Path, args: argparse.Namespace) -> int:
+    """``sub --from OFFSET``: the channel's records from its files (no lock),
+    following new ones until --count, --timeout or a signal."""
+    from .. import _core
+    from ..message import entry_from_row
+
+    check_data_dir(data_dir)
+    limit: int | None = args.count
+    if limit == 0:
+        return 0
+    out = Out()
+    count, position, sleep = 0, args.from_offset, 0.05
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    handle_sigterm()
+    try:
+        while True:
+            rows = _core.read_channel(os.fspath(data_dir), args.channel, position)
+            got = False
+            for row in rows:
+                entry = entry_from_row(row, None)
+                out.json(message_doc(entry.message, entry.offset))
+                count, got = count + 1, True
+                if limit is not None and count >= limit:
+                    return 0
+            position = rows.position
+            sleep = 0.05 if got else min(sleep * 2, FOLLOW_MAX_SLEEP_S)
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                sleep = min(sleep, remaining)
+            time.sleep(sleep)
+    except KeyboardInterrupt:
+        return 0
+    if limit is not None:
+        raise CommandError(
+            f"timed out after {args.timeout:g} s: received {count} of {limit} messages"
         )
     return 0
 

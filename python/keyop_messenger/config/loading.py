@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ class Config(ConfigFields):
         dedup: The ``dedup`` section.
         audit: The ``audit`` section.
         metrics: The ``metrics`` section.
+        log: The ``log`` section.
         retention: The ``retention`` section.
     """
 
@@ -102,8 +103,27 @@ class Config(ConfigFields):
             raise ConfigError(problems.messages)
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    resolve_paths: bool = False,
+    environ: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
     """Read a YAML configuration file and return the validated :class:`Config`.
+
+    By default the file is read as keyop-messenger 1.4 reads it. The
+    ``keyop-messenger`` command passes the options (``docs/service.md``):
+
+    Args:
+        path: the YAML file.
+        resolve_paths: relative paths in the file (``storage.data_dir``,
+            ``tls.cert``, ``tls.key``, ``tls.ca``) are relative to the file's
+            folder instead of the current directory.
+        environ: environment whose ``KEYOP_<SECTION>__<KEY>`` variables (and
+            ``KEYOP_NAME``) override keys of the file (see :mod:`.overrides`).
+        overrides: ``section.key=value`` strings overriding the environment and
+            the file.
 
     Raises:
         ConfigError: the file cannot be read, is empty, is not valid YAML, its top
@@ -132,7 +152,32 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(
             [f"{name}: the top level must be a mapping of keys to values, got {kind}"]
         )
-    return Config.from_dict(document)
+    if not (resolve_paths or environ or overrides):
+        return Config.from_dict(document)
+    from . import overrides as _overrides
+
+    document = dict(document)
+    if resolve_paths:
+        _overrides.resolve_paths(document, os.path.dirname(os.path.abspath(name)))
+    found, problems = _overrides.collect(environ or {}, overrides)
+    problems += _overrides.apply(document, found)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return Config.from_dict(document)
+    except ConfigError as err:
+        # Name the variable or flag that set a key a problem is about.
+        sources = {dotted: source for source, dotted, _ in found}
+        raise ConfigError([_with_source(p, sources) for p in err.problems]) from None
+
+
+def _with_source(problem: str, sources: Mapping[str, str]) -> str:
+    key = problem.partition(":")[0]
+    while key:
+        if key in sources:
+            return f"{problem} (set by {sources[key]})"
+        key = key.rpartition(".")[0]
+    return problem
 
 
 # ---------------------------------------------------------------------------

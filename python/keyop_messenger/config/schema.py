@@ -299,6 +299,21 @@ class MetricsConfig:
 
 
 @dataclass
+class LogConfig:
+    """The ``log`` section (new in this implementation, not a 1.4 key).
+
+    Attributes:
+        level: ``debug``, ``info``, ``warning`` or ``error``: the level of the
+            ``keyop_messenger`` loggers under ``keyop-messenger run`` (``-v`` and
+            ``-q`` override it; read again on SIGHUP). Empty (default): ``info``.
+            An application embedding a Messenger configures logging itself; the
+            key does not change it.
+    """
+
+    level: str = ""
+
+
+@dataclass
 class ConfigFields:
     """The fields of :class:`~keyop_messenger.config.Config`: the whole YAML document.
 
@@ -316,6 +331,7 @@ class ConfigFields:
         dedup: The ``dedup`` section.
         audit: The ``audit`` section.
         metrics: The ``metrics`` section.
+        log: The ``log`` section.
         retention: The ``retention`` section.
     """
 
@@ -329,11 +345,13 @@ class ConfigFields:
     dedup: DedupConfig = field(default_factory=DedupConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
 
 
 SECTIONS: dict[str, type] = {
     "StorageConfig": StorageConfig,
+    "LogConfig": LogConfig,
     "SubscribersConfig": SubscribersConfig,
     "HubConfig": HubConfig,
     "ClientConfig": ClientConfig,

@@ -15,6 +15,9 @@ from typing import Any
 from .problems import Problems, describe, join_key
 from .schema import ITEM_LISTS, SECTIONS, ConfigFields
 
+#: Values of ``log.level`` ("" is the default, info).
+LOG_LEVELS = ("", "debug", "info", "warning", "error")
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -161,6 +164,12 @@ def check_config(config: ConfigFields, problems: Problems) -> None:
     _positive(problems, config.dedup, "dedup", "seen_id_lru_size")
     _positive(problems, config.audit, "audit", "max_size_mb")
     _positive(problems, config.audit, "audit", "max_files")
+
+    if problems.usable("log.level") and config.log.level not in LOG_LEVELS:
+        problems.add(
+            "log.level",
+            f'must be "debug", "info", "warning" or "error", got {config.log.level!r}',
+        )
 
     if problems.usable("metrics.listen_addr"):
         addr = config.metrics.listen_addr

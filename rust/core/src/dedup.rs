@@ -3,23 +3,62 @@
 //!
 //! Ids are marked seen only once the message is committed locally, so a
 //! failed write never makes a later retransmission look like a duplicate.
+//!
+//! The window is bounded in bytes as well as in entries: ids are normally
+//! 36-character UUIDs, but a peer may send long ones, and a window of
+//! 100,000 multi-megabyte ids would hold gigabytes.
 
 use std::num::NonZeroUsize;
 use std::sync::Mutex;
 
 use lru::LruCache;
 
+/// Bytes an entry is counted for on top of its id (the LRU's node and
+/// hash-table slot).
+pub const ENTRY_OVERHEAD_BYTES: usize = 64;
+/// Bytes budgeted per entry of capacity: a UUID and its overhead fit many
+/// times over, so the byte bound only bites on unusually long ids.
+pub const BUDGET_PER_ENTRY_BYTES: usize = 256;
+/// The byte bound is never below this (small windows still take long ids).
+pub const MIN_WINDOW_BYTES: usize = 16 * 1024 * 1024;
+
 /// A bounded set of recently seen ids.
 pub struct SeenIds {
-    ids: Mutex<LruCache<String, ()>>,
+    ids: Mutex<Window>,
+}
+
+struct Window {
+    lru: LruCache<String, ()>,
+    /// Bytes counted for the ids held (id length plus overhead).
+    bytes: usize,
+    max_bytes: usize,
+}
+
+fn cost(id: &str) -> usize {
+    id.len() + ENTRY_OVERHEAD_BYTES
 }
 
 impl SeenIds {
-    /// A set holding at most `capacity` ids (at least 1).
+    /// A set holding at most `capacity` ids (at least 1), and at most
+    /// `max(capacity × BUDGET_PER_ENTRY_BYTES, MIN_WINDOW_BYTES)` bytes of them.
     pub fn new(capacity: usize) -> SeenIds {
+        let max_bytes = capacity
+            .saturating_mul(BUDGET_PER_ENTRY_BYTES)
+            .max(MIN_WINDOW_BYTES);
+        SeenIds::with_max_bytes(capacity, max_bytes)
+    }
+
+    /// A set bounded by `capacity` ids and `max_bytes` (ids plus
+    /// [`ENTRY_OVERHEAD_BYTES`] each); the least recently used go first.
+    /// An id larger than `max_bytes` on its own is never held.
+    pub fn with_max_bytes(capacity: usize, max_bytes: usize) -> SeenIds {
         let cap = NonZeroUsize::new(capacity.max(1)).expect("capacity >= 1");
         SeenIds {
-            ids: Mutex::new(LruCache::new(cap)),
+            ids: Mutex::new(Window {
+                lru: LruCache::new(cap),
+                bytes: 0,
+                max_bytes,
+            }),
         }
     }
 
@@ -28,21 +67,37 @@ impl SeenIds {
         self.ids
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .lru
             .get(id)
             .is_some()
     }
 
     /// Marks `id` as seen.
     pub fn insert(&self, id: &str) {
-        let mut ids = self.ids.lock().unwrap_or_else(|e| e.into_inner());
-        if ids.get(id).is_none() {
-            ids.put(id.to_owned(), ());
+        let mut w = self.ids.lock().unwrap_or_else(|e| e.into_inner());
+        if w.lru.get(id).is_some() || cost(id) > w.max_bytes {
+            return;
         }
+        while w.bytes + cost(id) > w.max_bytes {
+            match w.lru.pop_lru() {
+                Some((old, ())) => w.bytes -= cost(&old),
+                None => break,
+            }
+        }
+        if let Some((old, ())) = w.lru.push(id.to_owned(), ()) {
+            w.bytes -= cost(&old);
+        }
+        w.bytes += cost(id);
+    }
+
+    /// Bytes counted for the ids held now.
+    pub fn bytes(&self) -> usize {
+        self.ids.lock().unwrap_or_else(|e| e.into_inner()).bytes
     }
 
     /// Ids currently held.
     pub fn len(&self) -> usize {
-        self.ids.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.ids.lock().unwrap_or_else(|e| e.into_inner()).lru.len()
     }
 
     /// Whether no id is held.
@@ -64,5 +119,45 @@ mod tests {
         s.insert("c"); // evicts b
         assert!(s.contains("a") && s.contains("c") && !s.contains("b"));
         assert_eq!(s.len(), 2);
+        assert_eq!(s.bytes(), 2 * (1 + ENTRY_OVERHEAD_BYTES));
+    }
+
+    #[test]
+    fn long_ids_are_bounded_in_bytes() {
+        let max = 10 * 1024 * 1024;
+        let s = SeenIds::with_max_bytes(100_000, max);
+        let big = |c: char| c.to_string().repeat(3 * 1024 * 1024);
+        for c in ['a', 'b', 'c', 'd', 'e'] {
+            s.insert(&big(c));
+            assert!(s.bytes() <= max, "{} bytes held", s.bytes());
+        }
+        // Three 3 MiB ids fit in 10 MiB: the two oldest went.
+        assert_eq!(s.len(), 3);
+        assert!(!s.contains(&big('a')) && !s.contains(&big('b')));
+        assert!(s.contains(&big('e')));
+        // Short ids still fit beside them.
+        for i in 0..1000 {
+            s.insert(&format!("{i:036}"));
+        }
+        assert_eq!(s.len(), 1003);
+        // An id over the whole budget is not held (nor evicts everything).
+        s.insert(&"z".repeat(max + 1));
+        assert_eq!(s.len(), 1003);
+        // A long one makes room by evicting the least recently used.
+        s.insert(&big('f'));
+        assert!(!s.contains(&big('c')) && s.contains(&big('f')));
+        assert!(s.bytes() <= max);
+    }
+
+    #[test]
+    fn the_default_byte_bound_leaves_uuid_windows_alone() {
+        let s = SeenIds::new(1000);
+        for i in 0..1000 {
+            s.insert(&format!("{i:036}"));
+        }
+        assert_eq!(s.len(), 1000);
+        let s = SeenIds::new(10);
+        s.insert(&"x".repeat(9 * 1024 * 1024));
+        assert_eq!(s.len(), 1, "a small window still holds one long id");
     }
 }

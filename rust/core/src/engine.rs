@@ -204,7 +204,7 @@ impl Engine {
         } else {
             None
         };
-        Ok((LogReader::new(dir, from), writer))
+        Ok((self.store.reader(dir, from), writer))
     }
 
     fn subs(&self) -> std::sync::MutexGuard<'_, HashMap<SubscriberKey, Arc<Subscriber>>> {
@@ -342,11 +342,6 @@ impl Engine {
 
     /// Per-channel figures for every channel of the data directory.
     pub fn channel_stats(&self) -> Result<Vec<ChannelSnapshot>, Error> {
-        let root = self.store.data_dir();
-        let channels = compaction::list_channels(root).map_err(io_error(format!(
-            "cannot list channels of {}",
-            root.display()
-        )))?;
         let active: HashMap<(String, String), u64> = self
             .subs()
             .iter()
@@ -358,54 +353,7 @@ impl Engine {
             .into_iter()
             .map(|w| (w.channel().to_owned(), w))
             .collect();
-        let mut out = Vec::new();
-        for name in channels {
-            let dir = crate::storage::channel_dir(root, &name);
-            let segs = crate::storage::segment::list_segments(&dir).unwrap_or_default();
-            let disk_bytes = segs
-                .iter()
-                .filter_map(|&s| {
-                    std::fs::metadata(crate::storage::segment::segment_path(&dir, s)).ok()
-                })
-                .map(|m| m.len())
-                .sum();
-            let writer = writers.get(&name);
-            let stream_bytes = match writer {
-                Some(w) => w.committed_end(),
-                None => crate::storage::segment::stream_end(&dir).unwrap_or(0),
-            };
-            let mut subscribers = Vec::new();
-            let sub_dir = subscribers_dir(root, &name);
-            for (id, path) in crate::storage::offsets::list_offsets(&sub_dir).unwrap_or_default() {
-                let live = active.get(&(name.clone(), id.clone())).copied();
-                let Some(position) =
-                    live.or_else(|| crate::storage::offsets::read_offset(&path).ok().flatten())
-                else {
-                    continue;
-                };
-                let lag_bytes = stream_bytes.saturating_sub(position);
-                let oldest_pending_nanos = if lag_bytes > 0 {
-                    oldest_pending(&dir, position, stream_bytes)
-                } else {
-                    None
-                };
-                subscribers.push(SubscriberSnapshot {
-                    id,
-                    position,
-                    lag_bytes,
-                    oldest_pending_nanos,
-                    active: live.is_some(),
-                });
-            }
-            out.push(ChannelSnapshot {
-                messages_published: writer.map_or(0, |w| w.counters().records),
-                name,
-                stream_bytes,
-                disk_bytes,
-                subscribers,
-            });
-        }
-        Ok(out)
+        channel_snapshots(self.store.data_dir(), &active, &writers)
     }
 
     /// Runs one retention pass over every channel of the data directory.
@@ -596,6 +544,77 @@ pub fn encode_message_with_id(
         });
     }
     Ok(id.to_owned())
+}
+
+/// Per-channel figures of any data directory, read from its files only: no
+/// lock is taken, so it works beside a running messenger (figures as of the
+/// last write; counters of that process are not visible, so
+/// `messages_published` is 0 and no subscriber is `active`).
+pub fn read_channel_stats(data_dir: &Path) -> Result<Vec<ChannelSnapshot>, Error> {
+    if !data_dir.is_dir() {
+        return Err(StorageError::DataDirNotFound(data_dir.to_path_buf()).into());
+    }
+    channel_snapshots(data_dir, &HashMap::new(), &HashMap::new())
+}
+
+/// Figures of every channel under `root`; `active` maps (channel, subscriber)
+/// to the position of a subscriber running in this process, `writers` the
+/// channels this process has open.
+fn channel_snapshots(
+    root: &Path,
+    active: &HashMap<(String, String), u64>,
+    writers: &HashMap<String, Arc<ChannelWriter>>,
+) -> Result<Vec<ChannelSnapshot>, Error> {
+    let channels = compaction::list_channels(root).map_err(io_error(format!(
+        "cannot list channels of {}",
+        root.display()
+    )))?;
+    let mut out = Vec::new();
+    for name in channels {
+        let dir = crate::storage::channel_dir(root, &name);
+        let segs = crate::storage::segment::list_segments(&dir).unwrap_or_default();
+        let disk_bytes = segs
+            .iter()
+            .filter_map(|&s| std::fs::metadata(crate::storage::segment::segment_path(&dir, s)).ok())
+            .map(|m| m.len())
+            .sum();
+        let writer = writers.get(&name);
+        let stream_bytes = match writer {
+            Some(w) => w.committed_end(),
+            None => crate::storage::segment::stream_end(&dir).unwrap_or(0),
+        };
+        let mut subscribers = Vec::new();
+        let sub_dir = subscribers_dir(root, &name);
+        for (id, path) in crate::storage::offsets::list_offsets(&sub_dir).unwrap_or_default() {
+            let live = active.get(&(name.clone(), id.clone())).copied();
+            let Some(position) =
+                live.or_else(|| crate::storage::offsets::read_offset(&path).ok().flatten())
+            else {
+                continue;
+            };
+            let lag_bytes = stream_bytes.saturating_sub(position);
+            let oldest_pending_nanos = if lag_bytes > 0 {
+                oldest_pending(&dir, position, stream_bytes)
+            } else {
+                None
+            };
+            subscribers.push(SubscriberSnapshot {
+                id,
+                position,
+                lag_bytes,
+                oldest_pending_nanos,
+                active: live.is_some(),
+            });
+        }
+        out.push(ChannelSnapshot {
+            messages_published: writer.map_or(0, |w| w.counters().records),
+            name,
+            stream_bytes,
+            disk_bytes,
+            subscribers,
+        });
+    }
+    Ok(out)
 }
 
 /// A reader over a channel of any data directory, including one written by

@@ -10,11 +10,12 @@ pub mod envelope;
 pub mod federation;
 pub mod keygen;
 pub mod lograte;
+pub mod memtrim;
 pub mod stats;
 pub mod storage;
 pub mod subscribe;
 
-pub use engine::{read_channel, Engine, Outgoing, Published};
+pub use engine::{read_channel, read_channel_stats, Engine, Outgoing, Published};
 pub use envelope::{Envelope, NameError, NameKind};
 pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};
 pub use storage::{StorageError, StoreConfig};

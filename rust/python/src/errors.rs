@@ -100,6 +100,11 @@ pub fn new_err(py: Python<'_>, kind: Kind, msg: String) -> PyErr {
 
 /// Maps an engine error onto its exception class.
 pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    // A storage error also says its OS error (StorageError is an OSError).
+    let errno = match &e {
+        Error::Storage(s) => s.raw_os_error(),
+        _ => None,
+    };
     let kind = match &e {
         Error::InvalidName(_) => Kind::InvalidName,
         Error::TooLarge { .. } => Kind::MessageTooLarge,
@@ -121,7 +126,11 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::DataLoss(_) => Kind::DataLoss,
         Error::Timeout(_) => Kind::Timeout,
     };
-    new_err(py, kind, e.to_string())
+    let err = new_err(py, kind, e.to_string());
+    if let Some(code) = errno {
+        let _ = err.value(py).setattr("errno", code);
+    }
+    err
 }
 
 /// Maps a certificate-tool error: file-system failures are storage errors,

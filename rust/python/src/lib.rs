@@ -372,8 +372,9 @@ impl PyEngine {
 
     /// Test hook: fail the next `count` I/O steps of `kind` ("write",
     /// "sync" or "roll") on `channel`; a failing write first writes
-    /// `partial` bytes.
-    #[pyo3(signature = (channel, kind, count = 1, partial = 0))]
+    /// `partial` bytes. `errno` (write and sync) picks the OS error instead
+    /// of ENOSPC (write) or EIO (sync).
+    #[pyo3(signature = (channel, kind, count = 1, partial = 0, errno = 0))]
     fn _inject_fault(
         &self,
         py: Python<'_>,
@@ -381,8 +382,11 @@ impl PyEngine {
         kind: &str,
         count: u32,
         partial: usize,
+        errno: i32,
     ) -> PyResult<()> {
         let point = match kind {
+            "write" if errno != 0 => FaultPoint::WriteErrno { partial, errno },
+            "sync" if errno != 0 => FaultPoint::SyncErrno { errno },
             "write" => FaultPoint::Write { partial },
             "sync" => FaultPoint::Sync,
             "roll" => FaultPoint::Roll,
@@ -516,6 +520,21 @@ impl PyEngine {
         py.detach(|| self.engine.start_federation(cfg)).py_err(py)
     }
 
+    /// Replaces the hub's `allowed_peers` (JSON list of entries); returns the
+    /// connected peers disconnected because their entry went or changed.
+    /// Raises FederationError when no hub is running.
+    fn set_allowed_peers(&self, py: Python<'_>, peers_json: &str) -> PyResult<Vec<String>> {
+        let peers: Vec<keyop_core::federation::AllowedPeer> = serde_json::from_str(peers_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("hub.allowed_peers: {e}")))?;
+        py.detach(|| {
+            self.engine
+                .with_federation(|f| f.hub().map(|h| h.set_allowed_peers(peers)))
+                .flatten()
+                .ok_or_else(|| keyop_core::Error::Federation("no hub is running".into()))
+        })
+        .py_err(py)
+    }
+
     /// `(host, port)` the hub listens on, or None.
     #[getter]
     fn hub_address(&self) -> Option<(String, u16)> {
@@ -531,21 +550,7 @@ impl PyEngine {
         use std::sync::atomic::Ordering::Relaxed;
         let channels = py.detach(|| self.engine.channel_stats()).py_err(py)?;
         let out = PyDict::new(py);
-        let list = pyo3::types::PyList::empty(py);
-        for c in channels {
-            let d = PyDict::new(py);
-            d.set_item("name", c.name)?;
-            d.set_item("messages_published", c.messages_published)?;
-            d.set_item("stream_bytes", c.stream_bytes)?;
-            d.set_item("disk_bytes", c.disk_bytes)?;
-            let subs = pyo3::types::PyList::empty(py);
-            for s in c.subscribers {
-                subs.append((s.id, s.lag_bytes, s.oldest_pending_nanos, s.active))?;
-            }
-            d.set_item("subscribers", subs)?;
-            list.append(d)?;
-        }
-        out.set_item("channels", list)?;
+        out.set_item("channels", channels_to_py(py, channels)?)?;
         let lat = PyDict::new(py);
         let l = self.engine.latency();
         for (stage, w) in [
@@ -1153,6 +1158,55 @@ fn read_channel(
     })
 }
 
+/// The channel figures as `MessengerBase.stats()` gives them.
+fn channels_to_py(
+    py: Python<'_>,
+    channels: Vec<keyop_core::stats::ChannelSnapshot>,
+) -> PyResult<Bound<'_, pyo3::types::PyList>> {
+    let list = pyo3::types::PyList::empty(py);
+    for c in channels {
+        let d = PyDict::new(py);
+        d.set_item("name", c.name)?;
+        d.set_item("messages_published", c.messages_published)?;
+        d.set_item("stream_bytes", c.stream_bytes)?;
+        d.set_item("disk_bytes", c.disk_bytes)?;
+        let subs = pyo3::types::PyList::empty(py);
+        for s in c.subscribers {
+            subs.append((s.id, s.lag_bytes, s.oldest_pending_nanos, s.active))?;
+        }
+        d.set_item("subscribers", subs)?;
+        list.append(d)?;
+    }
+    Ok(list)
+}
+
+/// `stats()` of any data directory from its files only (no lock: works beside
+/// a running messenger); no latency samples, no federation.
+#[pyfunction]
+fn read_stats(py: Python<'_>, data_dir: PathBuf) -> PyResult<Bound<'_, PyDict>> {
+    let channels = py
+        .detach(|| keyop_core::read_channel_stats(&data_dir))
+        .py_err(py)?;
+    let out = PyDict::new(py);
+    out.set_item("channels", channels_to_py(py, channels)?)?;
+    out.set_item("latency", PyDict::new(py))?;
+    out.set_item("links", pyo3::types::PyList::empty(py))?;
+    out.set_item("listener", py.None())?;
+    Ok(out)
+}
+
+/// pyo3-log's cache of Python loggers and their levels.
+static LOG_CACHE: std::sync::OnceLock<pyo3_log::ResetHandle> = std::sync::OnceLock::new();
+
+/// Forgets the cached Python logger levels, so that a level changed in Python
+/// applies to the engine's log records from now on.
+#[pyfunction]
+fn reset_log_cache() {
+    if let Some(handle) = LOG_CACHE.get() {
+        handle.reset();
+    }
+}
+
 /// Process-wide data-loss counters: `{"gaps", "gap_bytes", "quarantined"}`.
 #[pyfunction]
 fn loss_counts(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -1184,15 +1238,24 @@ fn validate_payload_type(py: Python<'_>, name: &str) -> PyResult<()> {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // The engine's log records go to Python logging (loggers named after the
-    // Rust modules, e.g. "keyop_core.federation.hub").
-    pyo3_log::init();
+    // The engine's log records go to Python logging under the package's
+    // logger: the Rust module keyop_core::federation::hub logs to
+    // "keyop_messenger.keyop_core.federation.hub". If the process already has
+    // a Rust logger installed (another extension), records go there instead.
+    if let Ok(handle) = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?
+        .set_prefix("keyop_messenger")
+        .install()
+    {
+        let _ = LOG_CACHE.set(handle);
+    }
     m.add_class::<PyEngine>()?;
     m.add_class::<MessengerBase>()?;
     m.add_class::<RecordIter>()?;
     m.add_class::<Subscription>()?;
     m.add_class::<EphemeralClient>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
+    m.add_function(wrap_pyfunction!(read_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(validate_channel, m)?)?;
     m.add_function(wrap_pyfunction!(loss_counts, m)?)?;
     m.add_function(wrap_pyfunction!(validate_payload_type, m)?)?;

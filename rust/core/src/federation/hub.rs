@@ -12,18 +12,19 @@ use std::time::{Duration, Instant, SystemTime};
 use futures_util::{SinkExt, StreamExt};
 use rustls::ServerConfig;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
+use super::conns::{self, ConnGuard, ConnTable, Limits};
 use super::link::{self, Inbound, OutChannel};
 use super::wire::{Handshake, CLOSE_NOT_ALLOWED, CLOSE_NOT_ALLOWED_REASON, FEATURE_REFUSALS};
-use super::{tls, AllowedPeer, FedError, HubSettings, Shared, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS};
+use super::{tls, AllowedPeer, FedError, HubSettings, Shared, HANDSHAKE_TIMEOUT};
 use crate::audit::AuditEvent;
 use crate::envelope::{validate_name, NameKind, FED_CURSOR_PREFIX};
+use crate::lograte::RateLimit;
 use crate::storage::offsets::{
     list_offsets, offset_path, read_offset, subscribers_dir, write_offset,
 };
@@ -44,11 +45,14 @@ pub struct Hub {
     counters: Arc<HubCounters>,
     peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
     ephemeral: Arc<Mutex<HashMap<String, usize>>>,
+    allowed: Arc<Mutex<Arc<Vec<AllowedPeer>>>>,
 }
 
 struct HubState {
     shared: Arc<Shared>,
     cfg: HubSettings,
+    /// `hub.allowed_peers`, replaceable while running ([`Hub::set_allowed_peers`]).
+    allowed: Arc<Mutex<Arc<Vec<AllowedPeer>>>>,
     acceptor: TlsAcceptor,
     counters: Arc<HubCounters>,
     /// Connected durable peers: name -> (connection number, its cancel token).
@@ -58,6 +62,8 @@ struct HubState {
     next_conn: AtomicU64,
     /// Channels each peer has created (its `max_channels` budget).
     budgets: Mutex<HashMap<String, Arc<super::ChannelBudget>>>,
+    /// Every connection, opening or established, and their limits.
+    conns: Arc<ConnTable>,
 }
 
 impl Hub {
@@ -78,20 +84,27 @@ impl Hub {
             reason: e.to_string(),
         })?;
         log::info!("hub {:?} listening on {addr}", shared.name);
+        crate::memtrim::configure();
         let counters = Arc::new(HubCounters::default());
         let peers = Arc::new(Mutex::new(HashMap::new()));
         let ephemeral = Arc::new(Mutex::new(HashMap::new()));
+        let allowed = Arc::new(Mutex::new(Arc::new(cfg.allowed_peers.clone())));
         let state = Arc::new(HubState {
             shared: shared.clone(),
             cfg,
+            allowed: allowed.clone(),
             acceptor: TlsAcceptor::from(tls),
             counters: counters.clone(),
             peers: peers.clone(),
             ephemeral: ephemeral.clone(),
             next_conn: AtomicU64::new(1),
             budgets: Mutex::new(HashMap::new()),
+            conns: Arc::new(ConnTable::new(Limits::for_this_process())),
         });
-        let mut tasks = vec![tokio::spawn(accept_loop(state.clone(), listener))];
+        let mut tasks = vec![
+            tokio::spawn(accept_loop(state.clone(), listener)),
+            tokio::spawn(trim_loop(state.clone())),
+        ];
         if state.cfg.fed_client_offset_ttl_s >= 0.0 {
             tasks.push(tokio::spawn(sweep_loop(state)));
         }
@@ -101,6 +114,7 @@ impl Hub {
                 counters,
                 peers,
                 ephemeral,
+                allowed,
             },
             tasks,
         ))
@@ -114,6 +128,40 @@ impl Hub {
     /// Accepted and rejected connection counts.
     pub fn counters(&self) -> &HubCounters {
         &self.counters
+    }
+
+    /// Replaces `hub.allowed_peers` (a configuration reload). New connections
+    /// are checked against `peers`; a connected durable peer that is no longer
+    /// listed, or whose entry changed, is disconnected so that it reconnects
+    /// under the new entry. Returns the names disconnected. Connected
+    /// ephemeral peers keep their connection until it ends.
+    pub fn set_allowed_peers(&self, peers: Vec<AllowedPeer>) -> Vec<String> {
+        let new: HashMap<&str, &AllowedPeer> = peers.iter().map(|p| (p.name.as_str(), p)).collect();
+        let old = {
+            let mut slot = self.allowed.lock().unwrap_or_else(|e| e.into_inner());
+            std::mem::replace(&mut *slot, Arc::new(peers.clone()))
+        };
+        let changed = |name: &str| match (old.iter().find(|p| p.name == name), new.get(name)) {
+            (Some(a), Some(b)) => {
+                a.subscribe != b.subscribe
+                    || a.publish != b.publish
+                    || a.max_channels != b.max_channels
+            }
+            _ => true,
+        };
+        let mut dropped: Vec<String> = Vec::new();
+        for (name, (_, cancel)) in self.peers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            if changed(name) {
+                cancel.cancel();
+                dropped.push(name.clone());
+            }
+        }
+        dropped.sort();
+        log::info!(
+            "hub: allowed_peers reloaded ({} peers); disconnected {dropped:?}",
+            new.len()
+        );
+        dropped
     }
 
     /// Names of the peers connected now.
@@ -138,30 +186,78 @@ impl Hub {
     }
 }
 
+/// First and longest wait after a failed accept (doubling in between).
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// How often freed memory is given back after connections ended.
+const TRIM_INTERVAL: Duration = Duration::from_secs(1);
+
+static ACCEPT_ERRORS: RateLimit = RateLimit::new(Duration::from_secs(10));
+static EVICTIONS: RateLimit = RateLimit::new(Duration::from_secs(10));
+
+/// Whether an accept failed for want of file descriptors.
+fn out_of_descriptors(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
+/// Accepts connections. Each is registered in the connection table (which
+/// drops the oldest unfinished connection when too many are opening). A
+/// failed accept backs off (10 ms doubling to 1 s) instead of spinning;
+/// when descriptors ran out, the oldest unfinished connection is dropped
+/// so that the connections waiting in the backlog can be taken.
 async fn accept_loop(state: Arc<HubState>, listener: TcpListener) {
-    let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let cancel = state.shared.cancel.clone();
+    let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
-        let (tcp, remote) = tokio::select! {
+        let accepted = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok(pair) => pair,
-                Err(e) => {
-                    log::warn!("hub: accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
+            r = listener.accept() => r,
+        };
+        let (tcp, remote) = match accepted {
+            Ok(pair) => {
+                backoff = ACCEPT_BACKOFF_MIN;
+                pair
+            }
+            Err(e) => {
+                let freed = out_of_descriptors(&e) && state.conns.evict_oldest_pending();
+                if let Some(n) = ACCEPT_ERRORS.check() {
+                    log::warn!(
+                        "hub: accept failed: {e}{}; retrying in {backoff:?} ({n} more since the last report)",
+                        if freed { "; dropped the oldest unfinished connection" } else { "" }
+                    );
                 }
-            },
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                continue;
+            }
         };
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            log::warn!("hub: refusing {remote}: {MAX_CONNECTIONS} connections already open");
-            continue;
-        };
-        let st = state.clone();
-        tokio::spawn(async move {
-            serve(st, tcp, remote).await;
-            drop(permit);
-        });
+        let (conn, evicted) = state.conns.admit(&cancel);
+        if evicted {
+            if let Some(n) = EVICTIONS.check() {
+                log::warn!(
+                    "hub: {} connections are still opening; dropped the oldest for {remote} ({n} more since the last report)",
+                    state.conns.limits().pending
+                );
+            }
+        }
+        tokio::spawn(serve(state.clone(), tcp, remote, conn));
+    }
+}
+
+/// Gives freed memory back to the system after connections ended or large
+/// batches were processed (see `memtrim`).
+async fn trim_loop(state: Arc<HubState>) {
+    loop {
+        tokio::select! {
+            _ = state.shared.cancel.cancelled() => return,
+            _ = tokio::time::sleep(TRIM_INTERVAL) => {}
+        }
+        let closed = state.conns.take_closed();
+        let _ =
+            tokio::task::spawn_blocking(move || crate::memtrim::trim_if_requested(closed)).await;
     }
 }
 
@@ -189,14 +285,14 @@ fn effective_subscription(requested: &[String], peer: &AllowedPeer) -> Vec<Strin
         .collect()
 }
 
-async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
+async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: ConnGuard) {
     let shared = state.shared.clone();
     let remote_s = remote.to_string();
     let _ = tcp.set_nodelay(true);
-    let ws_cfg = WebSocketConfig::default()
-        .max_message_size(Some(link::max_message_size(shared.link.max_batch_bytes)));
-    // TLS, upgrade and the client's handshake must all arrive in time.
-    let opened = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+    let ws_cfg = conns::ws_config(shared.link.max_batch_bytes);
+    // TLS, upgrade and the client's handshake must all arrive in time, and
+    // the connection may be evicted meanwhile (conns.rs).
+    let opening = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         let tls = state
             .acceptor
             .accept(tcp)
@@ -209,6 +305,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
             .and_then(|c| c.first())
             .and_then(|c| tls::peer_cn(c))
             .ok_or_else(|| "client certificate has no subject CN".to_string())?;
+        guard.identified(&cn);
         let mut ws = tokio_tungstenite::accept_async_with_config(tls, Some(ws_cfg))
             .await
             .map_err(|e| format!("WebSocket upgrade: {e}"))?;
@@ -219,8 +316,14 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
             other => return Err(format!("expected a text handshake, got {other:?}")),
         };
         Ok::<_, String>((ws, cn, hello))
-    })
-    .await;
+    });
+    let opened = tokio::select! {
+        _ = guard.cancel.cancelled() => {
+            log::debug!("hub: connection from {remote} dropped before its handshake ended");
+            return;
+        }
+        r = opening => r,
+    };
     let (mut ws, peer, hello) = match opened {
         Ok(Ok(v)) => v,
         Ok(Err(e)) => {
@@ -232,12 +335,12 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
             return;
         }
     };
-    let entry = state
-        .cfg
-        .allowed_peers
-        .iter()
-        .find(|p| p.name == peer)
-        .cloned();
+    let allowed = state
+        .allowed
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let entry = allowed.iter().find(|p| p.name == peer).cloned();
     let Some(entry) = entry.filter(|_| validate_name(NameKind::PeerName, &peer).is_ok()) else {
         state.counters.rejected.fetch_add(1, Ordering::Relaxed);
         log::warn!("hub: rejected peer {peer:?} from {remote}: not in allowed_peers");
@@ -249,6 +352,10 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
         audit(&shared, "client_rejected", &peer, "", String::new());
         return;
     };
+    if let Err(e) = guard.establish() {
+        log::warn!("hub: closing the connection of {peer:?} from {remote}: {e}");
+        return;
+    }
     // A client that asked to hear of refusals (wire::FEATURE_REFUSALS) is
     // told its allowlist now; a 1.4 client gets the 1.4 handshake.
     let report_refusals = hello.has_feature(FEATURE_REFUSALS);
@@ -285,7 +392,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr) {
     // (both would advance the same fed-<peer> cursors). Ephemeral connections
     // have no cursor, so any number may share a peer name (Spark tasks do).
     let conn = state.next_conn.fetch_add(1, Ordering::Relaxed);
-    let cancel = shared.cancel.child_token();
+    let cancel = guard.cancel.clone();
     if hello.ephemeral {
         *state
             .ephemeral

@@ -192,7 +192,12 @@ where
         };
         match msg {
             Message::Binary(body) => {
-                let ack = match receive_batch(shared, inbound, &body).await {
+                let received = receive_batch(shared, inbound, &body).await;
+                if body.len() >= crate::memtrim::LARGE_BYTES {
+                    drop(body);
+                    crate::memtrim::request();
+                }
+                let ack = match received {
                     Ok(ack) => ack,
                     Err(e) => return Some(e),
                 };
@@ -402,11 +407,19 @@ where
             return None;
         }
         let mut sent = false;
+        let mut read_failed = false;
         for (i, ch) in chans.iter_mut().enumerate() {
             let batch = match tokio::task::block_in_place(|| ch.read_batch(max_bytes)) {
                 Ok(b) => b,
                 Err(e) => {
-                    log::error!("channel {:?}: cannot read for federation: {e}", ch.channel);
+                    static READ_ERRORS: RateLimit = RateLimit::new(Duration::from_secs(10));
+                    if let Some(n) = READ_ERRORS.check() {
+                        log::error!(
+                            "channel {:?}: cannot read for federation: {e} ({n} more read errors since the last report)",
+                            ch.channel
+                        );
+                    }
+                    read_failed = true;
                     continue;
                 }
             };
@@ -484,6 +497,14 @@ where
             }
         }
         if sent {
+            continue;
+        }
+        if read_failed {
+            // Unread data makes the waits below return at once: pause instead.
+            tokio::select! {
+                _ = cancel.cancelled() => return None,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
             continue;
         }
         let waits: Vec<_> = chans

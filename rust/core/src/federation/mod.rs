@@ -9,6 +9,7 @@
 //! while a link is down is lost.
 
 pub mod client;
+pub mod conns;
 pub mod ephemeral;
 pub mod hub;
 pub mod link;

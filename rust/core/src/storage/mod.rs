@@ -2,6 +2,7 @@
 //! with group commit, and readers.
 
 pub mod compaction;
+pub mod fdpool;
 pub mod offsets;
 pub mod quarantine;
 pub mod reader;
@@ -85,6 +86,8 @@ struct Shared {
     writers: Mutex<HashMap<String, Arc<ChannelWriter>, foldhash::fast::RandomState>>,
     stop: Mutex<bool>,
     stop_cv: Condvar,
+    /// Descriptor-pool owner of this store's segment files.
+    owner: u64,
 }
 
 /// An open data directory: its layout, lock, and one writer per channel.
@@ -107,6 +110,7 @@ impl Store {
     /// `subscribers/` and `audit/` directories, and takes its lock.
     pub fn open(cfg: StoreConfig) -> Result<Store, StorageError> {
         let root = &cfg.data_dir;
+        fdpool::pool().refresh_capacity();
         for sub in ["channels", "subscribers", "audit"] {
             let dir = root.join(sub);
             segment::create_dir_all(&dir)
@@ -118,7 +122,22 @@ impl Store {
             .truncate(false)
             .write(true)
             .open(&lock_path)
-            .map_err(io_err(format!("cannot open {}", lock_path.display())))?;
+            .map_err(|e| {
+                let read_only = e.raw_os_error() == Some(libc::EROFS)
+                    || e.kind() == io::ErrorKind::PermissionDenied;
+                let context = if read_only {
+                    format!(
+                        "data directory {} is not writable (cannot open its lock file {}); \
+                         a messenger needs to write there: make it writable, or read its \
+                         channels with keyop_messenger.read_channel",
+                        root.display(),
+                        lock_path.display()
+                    )
+                } else {
+                    format!("cannot open {}", lock_path.display())
+                };
+                io_err(context)(e)
+            })?;
         // SAFETY: flock on a descriptor we own; no memory is shared.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let e = io::Error::last_os_error();
@@ -144,6 +163,7 @@ impl Store {
             writers: Mutex::new(HashMap::default()),
             stop: Mutex::new(false),
             stop_cv: Condvar::new(),
+            owner: fdpool::pool().new_owner(),
         });
         let syncer = if shared.cfg.sync_interval_ms > 0 {
             let s = shared.clone();
@@ -192,7 +212,12 @@ impl Store {
             segment_bytes: self.shared.cfg.segment_bytes,
             durable: self.shared.cfg.sync_interval_ms == 0,
         };
-        let w = Arc::new(ChannelWriter::open(channel, &dir, cfg)?);
+        let w = Arc::new(ChannelWriter::open_owned(
+            channel,
+            &dir,
+            cfg,
+            self.shared.owner,
+        )?);
         writers.insert(channel.to_owned(), w.clone());
         Ok(w)
     }
@@ -218,7 +243,15 @@ impl Store {
         for w in self.writers() {
             w.close();
         }
+        // Segment files still held by readers of this store close now too.
+        fdpool::pool().close_owner(self.shared.owner);
         self.lock.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+
+    /// A reader of the channel directory `dir` from global offset `pos`
+    /// whose files close when this store does.
+    pub fn reader(&self, dir: PathBuf, pos: u64) -> LogReader {
+        LogReader::owned(dir, pos, self.shared.owner)
     }
 }
 

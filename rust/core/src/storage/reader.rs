@@ -9,10 +9,11 @@
 //! jumps over missing bytes are returned as [`Item::Gap`], for the caller to
 //! report (never skipped in silence).
 
-use std::fs::File;
-use std::io::{self, BufRead, BufReader, Seek, SeekFrom};
+use std::io::{self, BufRead, Read};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use super::fdpool::{PooledFile, NO_OWNER};
 use super::segment;
 use crate::envelope::MAX_RECORD_BYTES;
 
@@ -45,7 +46,60 @@ impl Item {
 
 struct Open {
     start: u64,
-    reader: BufReader<File>,
+    reader: SegmentReader,
+}
+
+/// A buffered reader of one segment whose file lives in the descriptor pool
+/// ([`super::fdpool`]): it may be closed between reads and is reopened
+/// (checked to be the same file) on the next.
+struct SegmentReader {
+    file: PooledFile,
+    buf: Box<[u8]>,
+    lo: usize,
+    hi: usize,
+    /// File position of `buf[hi]`.
+    at: u64,
+}
+
+impl SegmentReader {
+    fn new(file: PooledFile, at: u64) -> SegmentReader {
+        SegmentReader {
+            file,
+            buf: vec![0u8; 64 * 1024].into_boxed_slice(),
+            lo: 0,
+            hi: 0,
+            at,
+        }
+    }
+}
+
+impl Read for SegmentReader {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        let n = {
+            let avail = self.fill_buf()?;
+            let n = avail.len().min(out.len());
+            out[..n].copy_from_slice(&avail[..n]);
+            n
+        };
+        self.consume(n);
+        Ok(n)
+    }
+}
+
+impl BufRead for SegmentReader {
+    fn fill_buf(&mut self) -> io::Result<&[u8]> {
+        if self.lo == self.hi {
+            let n = self.file.get()?.read_at(&mut self.buf, self.at)?;
+            self.at += n as u64;
+            self.lo = 0;
+            self.hi = n;
+        }
+        Ok(&self.buf[self.lo..self.hi])
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.lo = (self.lo + n).min(self.hi);
+    }
 }
 
 /// A cursor over one channel directory.
@@ -53,6 +107,8 @@ pub struct LogReader {
     dir: PathBuf,
     pos: u64,
     open: Option<Open>,
+    /// Descriptor-pool owner of the files opened (a store's, or none).
+    owner: u64,
 }
 
 enum Line {
@@ -65,10 +121,17 @@ enum Line {
 impl LogReader {
     /// A reader of the channel directory `dir` positioned at global `pos`.
     pub fn new(dir: impl Into<PathBuf>, pos: u64) -> LogReader {
+        Self::owned(dir, pos, NO_OWNER)
+    }
+
+    /// A reader whose open files belong to the pool owner `owner` (a
+    /// store's: they are closed when the store closes).
+    pub fn owned(dir: impl Into<PathBuf>, pos: u64, owner: u64) -> LogReader {
         LogReader {
             dir: dir.into(),
             pos,
             open: None,
+            owner,
         }
     }
 
@@ -113,21 +176,33 @@ impl LogReader {
                     .rev()
                     .find(|&&s| s <= self.pos)
                     .expect("first <= pos");
-                let mut file = match File::open(segment::segment_path(&self.dir, start)) {
+                let path = segment::segment_path(&self.dir, start);
+                let file = match PooledFile::open(&path, false, self.owner) {
                     Ok(f) => f,
                     // Deleted between listing and opening: list again.
                     Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                     Err(e) => return Err(e),
                 };
-                file.seek(SeekFrom::Start(self.pos - start))?;
                 self.open = Some(Open {
                     start,
-                    reader: BufReader::with_capacity(64 * 1024, file),
+                    reader: SegmentReader::new(file, self.pos - start),
                 });
             }
             let open = self.open.as_mut().expect("opened above");
             let start = open.start;
-            match read_line(&mut open.reader)? {
+            let line = match read_line(&mut open.reader) {
+                Ok(line) => line,
+                // Closed by the pool and deleted since: list again.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    self.open = None;
+                    continue;
+                }
+                Err(e) => {
+                    self.open = None;
+                    return Err(e);
+                }
+            };
+            match line {
                 Line::Complete(line) => {
                     let offset = self.pos;
                     let item = Item::Record {
@@ -196,7 +271,7 @@ impl LogReader {
 
 /// Reads one `\n`-terminated line. An unterminated fragment at end of file
 /// is left unconsumed as far as the caller is concerned (it re-seeks).
-fn read_line(r: &mut BufReader<File>) -> io::Result<Line> {
+fn read_line(r: &mut impl BufRead) -> io::Result<Line> {
     let mut line = Vec::new();
     let mut skipped: u64 = 0;
     let mut oversize = false;

@@ -1,6 +1,11 @@
 //! The channel writer: the single path through which every append to a
 //! channel goes, with group commit.
 //!
+//! why this file is long: the group commit (the batch slots, `append`,
+//! `gather`, `lead`, `close`) is one lock-and-wake protocol that has to be
+//! read in one place; the batch's I/O is in `writer/commit.rs`, the
+//! notifier and counters in their own files.
+//!
 //! Callers append whole records. The first caller to find no flush in
 //! progress becomes the leader: it takes every record queued at that moment,
 //! writes them with one positioned write, calls `fdatasync` once (durable
@@ -28,6 +33,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+pub use counters::{CounterSnapshot, WriterCounters};
+pub use notify::CommitNotifier;
+
+use super::fdpool::{PooledFile, NO_OWNER};
 use super::segment;
 use super::StorageError;
 
@@ -50,145 +59,36 @@ pub struct Appended {
     pub end: u64,
 }
 
-/// Counters of one writer since it was opened.
-#[derive(Debug, Default)]
-pub struct WriterCounters {
-    pub records: AtomicU64,
-    pub appends: AtomicU64,
-    pub batches: AtomicU64,
-    pub writes: AtomicU64,
-    pub fsyncs: AtomicU64,
-    pub bytes: AtomicU64,
-    pub rolls: AtomicU64,
-    pub failures: AtomicU64,
-}
-
-/// A plain copy of [`WriterCounters`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CounterSnapshot {
-    pub records: u64,
-    pub appends: u64,
-    pub batches: u64,
-    pub writes: u64,
-    pub fsyncs: u64,
-    pub bytes: u64,
-    pub rolls: u64,
-    pub failures: u64,
-}
-
-impl WriterCounters {
-    fn snapshot(&self) -> CounterSnapshot {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        CounterSnapshot {
-            records: l(&self.records),
-            appends: l(&self.appends),
-            batches: l(&self.batches),
-            writes: l(&self.writes),
-            fsyncs: l(&self.fsyncs),
-            bytes: l(&self.bytes),
-            rolls: l(&self.rolls),
-            failures: l(&self.failures),
-        }
-    }
-}
-
 /// Test hook: which I/O step an injected fault hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultPoint {
     /// The data write: `partial` bytes are really written, then ENOSPC.
     Write { partial: usize },
+    /// The data write: `partial` bytes are really written, then the OS
+    /// error `errno` (EIO, EROFS, ...).
+    WriteErrno { partial: usize, errno: i32 },
     /// The fdatasync after a write: EIO.
     Sync,
+    /// The fdatasync after a write: the OS error `errno`.
+    SyncErrno { errno: i32 },
     /// Creating the next segment at a roll: ENOSPC.
     Roll,
 }
 
-/// Wakes readers when the committed end of the channel moves.
-#[derive(Debug, Default)]
-pub struct CommitNotifier {
-    end: AtomicU64,
-    state: Mutex<NotifyState>,
-    cv: Condvar,
-    /// Wakes async readers (federation links).
-    async_wake: tokio::sync::Notify,
-}
-
-#[derive(Debug, Default)]
-struct NotifyState {
-    waiters: usize,
-    closed: bool,
-    /// Bumped by [`CommitNotifier::wake_all`] so waiters return at once.
-    kicks: u64,
-}
-
-impl CommitNotifier {
-    /// Global offset up to which records are committed and may be read.
-    pub fn committed_end(&self) -> u64 {
-        self.end.load(Ordering::Acquire)
-    }
-
-    fn publish(&self, end: u64) {
-        self.end.store(end, Ordering::Release);
-        self.async_wake.notify_waiters();
-        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if st.waiters > 0 {
-            self.cv.notify_all();
-        }
-    }
-
-    fn close(&self) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.closed = true;
-        self.cv.notify_all();
-        self.async_wake.notify_waiters();
-    }
-
-    /// Async wait until the committed end passes `pos` (or a close). Returns
-    /// at once when it already has.
-    pub async fn changed_past(&self, pos: u64) {
-        let notified = self.async_wake.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        if self.committed_end() > pos || self.state.lock().unwrap_or_else(|e| e.into_inner()).closed
-        {
-            return;
-        }
-        notified.await;
-    }
-
-    /// Waits until the committed end passes `pos`, the writer closes, or
-    /// `timeout` elapses; returns the committed end.
-    pub fn wait_past(&self, pos: u64, timeout: Duration) -> u64 {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if self.committed_end() <= pos && !st.closed {
-            st.waiters += 1;
-            let kicks = st.kicks;
-            let (mut g, _) = self
-                .cv
-                .wait_timeout_while(st, timeout, |s| {
-                    !s.closed && s.kicks == kicks && self.end.load(Ordering::Acquire) <= pos
-                })
-                .unwrap_or_else(|e| e.into_inner());
-            g.waiters -= 1;
-        }
-        self.committed_end()
-    }
-
-    /// Wakes every waiter without a new commit (used when stopping readers).
-    pub fn wake_all(&self) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.kicks += 1;
-        self.cv.notify_all();
-    }
-}
-
 struct Active {
-    file: Arc<File>,
+    /// The segment file, through the descriptor pool (closed while idle).
+    file: Arc<PooledFile>,
     start: u64,
     /// Committed length of the active segment.
     len: u64,
     /// A failed truncation left bytes past `len`; cut them before writing.
     tainted: bool,
+    /// The segment file was unlinked or replaced under the writer: every
+    /// later append fails with this error (nothing is acknowledged into a
+    /// file no one can read) until the data directory is opened again.
+    broken: Option<StorageError>,
+    /// When the file was last checked to be the one its path names.
+    checked: Instant,
 }
 
 struct Outcome {
@@ -264,7 +164,7 @@ struct State {
     waiters: usize,
     active: Option<Active>,
     /// The active file, for the periodic fsync of relaxed mode.
-    sync_file: Arc<File>,
+    sync_file: Option<Arc<PooledFile>>,
 }
 
 /// The one writer of one channel directory.
@@ -286,6 +186,8 @@ pub struct ChannelWriter {
     durable_end: AtomicU64,
     faults: Mutex<Vec<(FaultPoint, u32)>>,
     has_faults: AtomicBool,
+    /// Descriptor-pool owner of the segment files (the store's).
+    owner: u64,
 }
 
 fn io_err(context: String, e: io::Error) -> StorageError {
@@ -304,6 +206,17 @@ impl ChannelWriter {
         dir: &Path,
         cfg: WriterConfig,
     ) -> Result<ChannelWriter, StorageError> {
+        Self::open_owned(channel, dir, cfg, NO_OWNER)
+    }
+
+    /// [`ChannelWriter::open`] with segment files belonging to the
+    /// descriptor-pool owner `owner` (see [`super::fdpool`]).
+    pub fn open_owned(
+        channel: &str,
+        dir: &Path,
+        cfg: WriterConfig,
+        owner: u64,
+    ) -> Result<ChannelWriter, StorageError> {
         let ctx = |what: &str| format!("channel {channel:?}: {what} in {}", dir.display());
         segment::create_dir_all(dir).map_err(|e| io_err(ctx("cannot create directory"), e))?;
         // `create_dir_all` syncs what it creates; this also covers a channel
@@ -314,15 +227,23 @@ impl ChannelWriter {
         }
         let segs =
             segment::list_segments(dir).map_err(|e| io_err(ctx("cannot list segments"), e))?;
+        let pooled = |path: &Path, file: File| {
+            PooledFile::adopt(path, file, true, owner)
+                .map(Arc::new)
+                .map_err(|e| io_err(ctx("cannot keep the active segment open"), e))
+        };
         let active = match segs.last() {
             None => Active {
-                file: Arc::new(
+                file: pooled(
+                    &segment::segment_path(dir, 0),
                     segment::create_segment(dir, 0)
                         .map_err(|e| io_err(ctx("cannot create first segment"), e))?,
-                ),
+                )?,
                 start: 0,
                 len: 0,
                 tainted: false,
+                broken: None,
+                checked: Instant::now(),
             },
             Some(&start) => {
                 let path = segment::segment_path(dir, start);
@@ -334,10 +255,12 @@ impl ChannelWriter {
                 let good = segment::repair_tail(&file, &path)
                     .map_err(|e| io_err(ctx("cannot repair the active segment's tail"), e))?;
                 Active {
-                    file: Arc::new(file),
+                    file: pooled(&path, file)?,
                     start,
                     len: good,
                     tainted: false,
+                    broken: None,
+                    checked: Instant::now(),
                 }
             }
         };
@@ -360,7 +283,7 @@ impl ChannelWriter {
                 last_groups: 0,
                 closed: false,
                 waiters: 0,
-                sync_file: active.file.clone(),
+                sync_file: Some(active.file.clone()),
                 active: Some(active),
             }),
             done: Condvar::new(),
@@ -372,6 +295,7 @@ impl ChannelWriter {
             durable_end: AtomicU64::new(end_at_open),
             faults: Mutex::new(Vec::new()),
             has_faults: AtomicBool::new(false),
+            owner,
         })
     }
 
@@ -519,10 +443,17 @@ impl ChannelWriter {
         let groups = std::mem::replace(&mut st.groups, spare_groups);
         let next = Self::fresh_slot(&mut st);
         let slot = std::mem::replace(&mut st.slot, next);
-        let mut active = st
-            .active
-            .take()
-            .expect("active segment present when not flushing");
+        let Some(mut active) = st.active.take() else {
+            // Closed: the segment file is released; nothing is written.
+            st.flushing = false;
+            drop(st);
+            slot.finish(Outcome {
+                batch_start: 0,
+                committed: 0,
+                error: Some(StorageError::Closed(self.channel.clone())),
+            });
+            return;
+        };
         st.last_groups = groups.len();
         drop(st);
 
@@ -553,7 +484,7 @@ impl ChannelWriter {
         let end = active.start + active.len;
 
         let mut st = self.lock();
-        st.sync_file = active.file.clone();
+        st.sync_file = Some(active.file.clone());
         st.active = Some(active);
         let (mut buf, mut groups) = (buf, groups);
         buf.clear();
@@ -624,132 +555,6 @@ impl ChannelWriter {
         self.has_faults.store(true, Ordering::Relaxed);
     }
 
-    fn ctx(&self, what: &str) -> String {
-        format!("channel {:?}: {what}; not committed", self.channel)
-    }
-
-    /// Writes the batch, rolling segments between append groups. Returns how
-    /// many leading bytes were committed and the error that stopped the rest.
-    fn flush(
-        &self,
-        active: &mut Active,
-        buf: &[u8],
-        groups: &[(usize, u64)],
-    ) -> (usize, Option<StorageError>) {
-        if active.tainted {
-            if let Err(e) = self.truncate(active) {
-                return (
-                    0,
-                    Some(io_err(self.ctx("cannot cut back a failed write"), e)),
-                );
-            }
-        }
-        let limit = self.cfg.segment_bytes;
-        let mut run_start = 0;
-        let mut pos = 0;
-        for &(len, _) in groups {
-            let run = (pos - run_start) as u64;
-            if limit > 0 && active.len + run > 0 && active.len + run + len as u64 > limit {
-                if let Err(e) = self.commit_run(active, &buf[run_start..pos], self.cfg.durable) {
-                    return (run_start, Some(e));
-                }
-                // The run (if any) is committed in the segment being sealed.
-                if let Err(e) = self.roll(active) {
-                    return (pos, Some(e));
-                }
-                run_start = pos;
-            }
-            pos += len;
-        }
-        match self.commit_run(active, &buf[run_start..pos], self.cfg.durable) {
-            Ok(()) => (pos, None),
-            Err(e) => (run_start, Some(e)),
-        }
-    }
-
-    /// Writes `data` at the end of the active segment and optionally
-    /// fdatasyncs; on failure the segment is cut back to where it was.
-    fn commit_run(&self, active: &mut Active, data: &[u8], sync: bool) -> Result<(), StorageError> {
-        if !data.is_empty() {
-            let res = match self.take_fault(|p| matches!(p, FaultPoint::Write { .. })) {
-                Some(FaultPoint::Write { partial }) => {
-                    let n = partial.min(data.len());
-                    active
-                        .file
-                        .write_all_at(&data[..n], active.len)
-                        .and(Err(io::Error::from_raw_os_error(libc::ENOSPC)))
-                }
-                _ => active.file.write_all_at(data, active.len),
-            };
-            if let Err(e) = res {
-                active.tainted = true;
-                let _ = self.truncate(active);
-                return Err(io_err(self.ctx("write failed"), e));
-            }
-            self.counters.writes.fetch_add(1, Ordering::Relaxed);
-        }
-        if sync && !data.is_empty() {
-            if let Err(e) = self.sync(&active.file) {
-                active.tainted = true;
-                let _ = self.truncate(active);
-                return Err(io_err(self.ctx("fdatasync failed"), e));
-            }
-        }
-        active.len += data.len() as u64;
-        if sync {
-            self.durable_end
-                .fetch_max(active.start + active.len, Ordering::AcqRel);
-        }
-        Ok(())
-    }
-
-    fn sync(&self, file: &File) -> io::Result<()> {
-        self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
-        if self.take_fault(|p| *p == FaultPoint::Sync).is_some() {
-            return Err(io::Error::from_raw_os_error(libc::EIO));
-        }
-        let started = Instant::now();
-        let res = file.sync_data();
-        let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.last_sync_ns.store(took, Ordering::Relaxed);
-        res
-    }
-
-    /// Cuts the active segment back to its committed length.
-    fn truncate(&self, active: &mut Active) -> io::Result<()> {
-        active.file.set_len(active.len)?;
-        active.tainted = false;
-        Ok(())
-    }
-
-    /// Seals the active segment (already synced by the caller's run) and
-    /// starts the next one. On failure the old segment stays active.
-    fn roll(&self, active: &mut Active) -> Result<(), StorageError> {
-        if !self.cfg.durable {
-            // Relaxed mode: the sealed segment is still synced before it is left.
-            self.sync(&active.file)
-                .map_err(|e| io_err(self.ctx("fdatasync before segment roll failed"), e))?;
-        }
-        let next = active.start + active.len;
-        // Everything before `next` is synced now (each commit in durable mode,
-        // the sync above in relaxed mode).
-        self.durable_end.fetch_max(next, Ordering::AcqRel);
-        let created = if self.take_fault(|p| *p == FaultPoint::Roll).is_some() {
-            Err(io::Error::from_raw_os_error(libc::ENOSPC))
-        } else {
-            segment::create_segment(&self.dir, next)
-        };
-        let file = created.map_err(|e| io_err(self.ctx("cannot create the next segment"), e))?;
-        *active = Active {
-            file: Arc::new(file),
-            start: next,
-            len: 0,
-            tainted: false,
-        };
-        self.counters.rolls.fetch_add(1, Ordering::Relaxed);
-        Ok(())
-    }
-
     /// Relaxed mode: fdatasync the active segment if anything was written
     /// since the last sync. Errors are logged, as nothing waits on them.
     pub fn sync_if_dirty(&self) {
@@ -760,7 +565,10 @@ impl ChannelWriter {
             let st = self.lock();
             (st.sync_file.clone(), self.committed_end())
         };
-        match self.sync(&file) {
+        let Some(file) = file else {
+            return; // closed: the last sync was done then
+        };
+        match file.get().and_then(|f| self.sync(&f)) {
             Ok(()) => {
                 self.durable_end.fetch_max(end, Ordering::AcqRel);
             }
@@ -788,9 +596,10 @@ impl ChannelWriter {
             let keep = durable.saturating_sub(active.start).min(active.len);
             let lost = (active.len - keep) as usize;
             let mut tail = vec![0u8; torn.min(lost)];
-            active.file.read_exact_at(&mut tail, keep)?;
-            active.file.set_len(keep)?;
-            active.file.write_all_at(&tail, keep)?;
+            let file = active.file.get()?;
+            file.read_exact_at(&mut tail, keep)?;
+            file.set_len(keep)?;
+            file.write_all_at(&tail, keep)?;
             active.len = keep;
         }
         self.unsynced.store(false, Ordering::Release);
@@ -826,86 +635,20 @@ impl ChannelWriter {
             drop(st);
         }
         self.sync_if_dirty();
+        // Release the segment file now, not when the last holder of this
+        // writer lets go of it.
+        let released = {
+            let mut st = self.lock();
+            st.sync_file = None;
+            st.active.take()
+        };
+        drop(released);
         self.notifier.close();
     }
 }
 
+mod commit;
+mod counters;
+mod notify;
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::mpsc;
-
-    fn open_writer(dir: &Path, durable: bool) -> ChannelWriter {
-        let cfg = WriterConfig {
-            segment_bytes: 0,
-            durable,
-        };
-        ChannelWriter::open("c", &dir.join("c"), cfg).expect("open writer")
-    }
-
-    /// Callers queued behind a batch whose leader does not come back are
-    /// asked to lead their own batch: nobody waits for a leader that left.
-    #[test]
-    fn queued_callers_lead_when_the_last_leader_is_gone() {
-        let tmp = tempfile::tempdir().expect("tempdir");
-        let w = Arc::new(open_writer(tmp.path(), true));
-        // A leader is in flight: appends queue behind it.
-        w.lock().flushing = true;
-        let (tx, rx) = mpsc::channel();
-        for i in 0..3u8 {
-            let (w, tx) = (w.clone(), tx.clone());
-            std::thread::spawn(move || tx.send(w.append(&[b'a' + i, b'\n'], 1)));
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while w.lock().groups.len() < 3 {
-            assert!(Instant::now() < deadline, "appends never queued");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        // The in-flight batch ends and its leader leaves, as `lead` does.
-        let mut st = w.lock();
-        st.flushing = false;
-        let next = st.slot.clone();
-        drop(st);
-        next.request_leader();
-        for _ in 0..3 {
-            let appended = rx
-                .recv_timeout(Duration::from_secs(10))
-                .expect("a queued append was never led")
-                .expect("append");
-            assert_eq!(appended.end - appended.offset, 2);
-        }
-        let c = w.counters();
-        assert_eq!((c.records, c.batches, c.fsyncs), (3, 1, 1), "{c:?}");
-        assert_eq!(w.committed_end(), 6);
-    }
-
-    /// Publishers that append once and leave: every batch's leader is gone
-    /// when it ends, so the callers queued behind it must lead themselves.
-    #[test]
-    fn one_shot_publishers_all_finish() {
-        const THREADS: u64 = 16;
-        const ROUNDS: u64 = 30;
-        for durable in [true, false] {
-            let tmp = tempfile::tempdir().expect("tempdir");
-            let w = Arc::new(open_writer(tmp.path(), durable));
-            for _ in 0..ROUNDS {
-                let (tx, rx) = mpsc::channel();
-                // Detached threads: a hung append fails the test, not hangs it.
-                for _ in 0..THREADS {
-                    let (w, tx) = (w.clone(), tx.clone());
-                    std::thread::spawn(move || tx.send(w.append(b"{}\n", 1)));
-                }
-                for _ in 0..THREADS {
-                    rx.recv_timeout(Duration::from_secs(30))
-                        .expect("an append was never led")
-                        .expect("append");
-                }
-            }
-            let c = w.counters();
-            assert_eq!(c.records, THREADS * ROUNDS);
-            assert!(c.batches < c.records, "no batch was shared: {c:?}");
-            assert_eq!(w.committed_end(), THREADS * ROUNDS * 3);
-            w.close();
-        }
-    }
-}
+mod tests;

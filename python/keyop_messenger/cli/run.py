@@ -1,0 +1,264 @@
+"""``keyop-messenger run``: one messenger instance as a foreground service.
+
+Builds one :class:`~keyop_messenger.Messenger` from ``--config`` (hub and/or
+client as configured), serves ``metrics.listen_addr`` (``/metrics``,
+``/healthz``, ``/readyz``, ``/status``) when set, and runs until SIGTERM or
+SIGINT; then it flushes, closes its peers and exits 0. With ``NOTIFY_SOCKET``
+set (systemd ``Type=notify``) it sends ``READY=1`` once storage is open and the
+listeners are bound, ``WATCHDOG=1`` every ``WATCHDOG_USEC``/2 while storage
+answers, and ``STOPPING=1`` when shutdown begins.
+
+Exit statuses: 0 clean stop; 2 bad usage or configuration (every problem on
+stderr as ``Error: <file>: <key>: <what was expected>``); 1 runtime failure.
+``--check`` validates the configuration and the machine (TLS files readable
+and within their validity dates, data directory, listen addresses) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .common import CONFIG_HELP, load, ops_command
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..messenger import Messenger
+
+log = logging.getLogger("keyop_messenger.service")
+
+#: Exit status of a bad command line or configuration.
+EXIT_CONFIG = 2
+#: Exit status of a failure at runtime (cannot bind, data directory held...).
+EXIT_RUNTIME = 1
+
+
+def add_parsers(commands: Any) -> None:
+    """Adds ``run`` to the subcommands ``commands``."""
+    run = ops_command(
+        commands,
+        "run",
+        _cmd_run,
+        help="run one messenger instance in the foreground until SIGTERM",
+        description="Runs the hub and/or client of the configuration, and its metrics "
+        "listener (/metrics, /healthz, /readyz, /status), until SIGTERM or SIGINT; then "
+        "flushes, closes peers and exits 0. Exit status 2: bad usage or configuration; "
+        "1: runtime failure. Speaks systemd's notify protocol when NOTIFY_SOCKET is set.",
+    )
+    run.add_argument("--config", required=True, metavar="F", help=CONFIG_HELP)
+    run.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration (certificates readable and valid now, paths, "
+        "listen addresses) and exit without starting",
+    )
+    run.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one key of the file (repeatable; over KEYOP_<SECTION>__<KEY> "
+        "environment variables, which are over the file)",
+    )  # fmt: skip
+    run.add_argument(
+        "-v", "--verbose", action="count", default=0,
+        help="log more: -v debug for keyop_messenger, -vv debug for every library",
+    )  # fmt: skip
+    run.add_argument(
+        "-q", "--quiet", action="count", default=0, help="log less: -q warnings, -qq errors"
+    )
+    run.add_argument(
+        "--log-format", choices=("text", "json"), default="text",
+        help="log lines on stderr as text (default) or one JSON object per line",
+    )  # fmt: skip
+
+
+def _config_problems(path: str, problems: list[str]) -> int:
+    for problem in problems:
+        text = problem if problem.startswith(f"{path}:") else f"{path}: {problem}"
+        print(f"Error: {text}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+
+
+#: Signals ``run`` takes synchronously (blocked, then fetched with sigtimedwait):
+#: no Python signal handler runs in the middle of a lock-holding call.
+_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ..config.checks import check_environment
+    from ..errors import ConfigError
+    from .logsetup import level_for, set_package_level, setup_logging
+
+    setup_logging(args.verbose, args.quiet, args.log_format)
+    try:
+        config = load(args.config, args.set)
+    except ConfigError as err:
+        return _config_problems(args.config, err.problems)
+    flags_set_level = bool(args.verbose or args.quiet)
+    if not flags_set_level and config.log.level:
+        set_package_level(level_for(0, 0, config.log.level))
+    log.debug("configuration %s: %s", args.config, json.dumps(config.to_dict()))
+    problems = check_environment(config)
+    if problems:
+        return _config_problems(args.config, problems)
+    if args.check:
+        print(f"{args.config}: configuration OK")
+        return 0
+    return serve(
+        config,
+        lambda: load(args.config, args.set),
+        None if flags_set_level else lambda name: set_package_level(level_for(0, 0, name)),
+    )
+
+
+def serve(
+    config: Config,
+    reload: Callable[[], Config] | None = None,
+    set_level: Callable[[str], None] | None = None,
+) -> int:
+    """Runs ``config`` until SIGTERM/SIGINT (main thread only); returns the exit
+    status. On SIGHUP ``reload()`` gives the configuration again; its
+    ``hub.allowed_peers`` are applied, and its ``log.level`` through
+    ``set_level`` (None: ``-v``/``-q`` fixed the level); other changed keys
+    need a restart."""
+    from .._sdnotify import Notifier
+    from ..errors import KeyopError
+    from ..health import Health
+    from ..messenger import Messenger
+    from ..metrics import MetricsServer
+
+    # Block the signals before any thread starts (threads inherit the mask),
+    # so they stay pending until _wait fetches them, also during startup.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    notifier = Notifier()
+    health = Health()
+    server: MetricsServer | None = None
+    messenger: Messenger | None = None
+    own = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, listen_addr=""))
+    try:
+        if config.metrics.listen_addr:
+            server = MetricsServer(None, config.metrics.listen_addr, health=health).start()
+            host, port = server.address
+            log.info("metrics, health and status on http://%s:%d/", host, port)
+        messenger = Messenger(own)
+        health.mark_ready(messenger)
+        hub = messenger.hub_address
+        if hub is not None:
+            log.info("hub %r listening on %s:%d", config.name, hub[0], hub[1])
+        for link in config.client.hubs if config.client.enabled else []:
+            log.info("client %r dialing %s", config.name, link.addr)
+        log.info("%r ready (data_dir %s)", config.name, config.storage.data_dir)
+        notifier.notify("READY=1", f"STATUS=serving {config.name}")
+        current = [config]
+
+        def on_hup() -> None:
+            if reload is None or messenger is None:
+                log.warning("SIGHUP: nothing to reload")
+                return
+            _reload(messenger, current, reload, set_level)
+
+        signum = _wait(notifier, health, on_hup)
+        log.info("%s: stopping", signal.Signals(signum).name)
+        return 0
+    except (KeyopError, OSError) as err:
+        log.error("%s", " ".join(str(err).split()) or type(err).__name__)
+        return EXIT_RUNTIME
+    finally:
+        notifier.notify("STOPPING=1")
+        health.mark_stopping()
+        if messenger is not None:
+            messenger.close()
+        if server is not None:
+            server.close()
+        log.info("stopped")
+
+
+def _wait(notifier: Any, health: Any, on_hup: Callable[[], None]) -> int:
+    """Waits for SIGTERM or SIGINT (returned), pinging the systemd watchdog
+    while storage answers; SIGHUP calls ``on_hup``."""
+    interval = notifier.watchdog_s / 2 if notifier.watchdog_s else 3600.0
+    while True:
+        info = signal.sigtimedwait(_SIGNALS, interval)
+        if info is None:
+            if notifier.watchdog_s:
+                ready, reason = health.readiness()
+                if ready:
+                    notifier.notify("WATCHDOG=1")
+                else:
+                    log.warning("not ready (%s): watchdog ping withheld", reason)
+            continue
+        if info.si_signo == signal.SIGHUP:
+            on_hup()
+            continue
+        return int(info.si_signo)
+
+
+def _changed_keys(old: Config, new: Config) -> list[str]:
+    """Dotted keys whose values differ between ``old`` and ``new``."""
+    a, b = old.to_dict(), new.to_dict()
+    keys = []
+    for section in b:
+        if isinstance(b[section], dict):
+            keys += [
+                f"{section}.{k}" for k in b[section] if b[section][k] != a[section].get(k)
+            ]
+        elif b[section] != a[section]:
+            keys.append(section)
+    return keys
+
+
+def _reload(
+    messenger: Messenger,
+    current: list[Config],
+    reload: Callable[[], Config],
+    set_level: Callable[[str], None] | None,
+) -> None:
+    """SIGHUP: reads the configuration again and applies ``hub.allowed_peers``
+    and ``log.level``; a bad configuration is logged and the running one kept."""
+    from ..errors import ConfigError, KeyopError
+
+    try:
+        new = reload()
+    except ConfigError as err:
+        log.error("SIGHUP: configuration not reloaded: %s", "; ".join(err.problems))
+        return
+    old = current[0]
+    changed = _changed_keys(old, new)
+    applied = False
+    if "log.level" in changed:
+        changed.remove("log.level")
+        if set_level is None:
+            log.info("SIGHUP: log.level changed; -v/-q on the command line keep the level")
+        else:
+            set_level(new.log.level)
+            log.info("SIGHUP: log level now %s", new.log.level or "info")
+        old = current[0] = dataclasses.replace(old, log=new.log)
+        applied = True
+    if "hub.allowed_peers" in changed:
+        changed.remove("hub.allowed_peers")
+        if not old.hub.enabled:
+            log.warning("SIGHUP: hub.allowed_peers changed but the hub is not enabled")
+        else:
+            try:
+                dropped = messenger.set_allowed_peers(new.hub.allowed_peers)
+            except KeyopError as err:
+                log.error("SIGHUP: hub.allowed_peers not applied: %s", err)
+                return
+            current[0] = dataclasses.replace(
+                old, hub=dataclasses.replace(old.hub, allowed_peers=new.hub.allowed_peers)
+            )
+            applied = True
+            log.info(
+                "SIGHUP: hub.allowed_peers reloaded (%d peers); disconnected: %s",
+                len(new.hub.allowed_peers), ", ".join(dropped) or "none",
+            )  # fmt: skip
+    if changed:
+        log.warning("SIGHUP: %s changed: restart to apply", ", ".join(changed))
+    elif not applied:
+        log.info("SIGHUP: configuration unchanged")
