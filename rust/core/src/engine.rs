@@ -1,3 +1,5 @@
+// why this file is long: the Engine facade (publish with or without caller-given ids,
+// read, subscribe, stats, federation), each entry point short; splitting it scatters the API.
 //! The messenger engine: a data directory plus an instance name, publishing
 //! envelopes through the channel writers.
 
