@@ -65,16 +65,19 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
         session.stop()
 
 
-def two_segments(data_dir: Path, channel: str = "c") -> list[int]:
-    """Publishes 600 padded records (two 1 MiB segments); returns the segment starts."""
+def two_segments(data_dir: Path, channel: str = "c", n: int = 600) -> list[int]:
+    """Publishes ``n`` + 10 padded records (two 1 MiB segments for 600); returns the
+    segment starts."""
     m = km.Messenger(
         km.Config.from_dict(
             {"name": "edges", "storage": {"data_dir": str(data_dir), "compaction_threshold_mb": 1}}
         )
     )
     try:
-        m.publish_batch(channel, [("t", {"i": i, "pad": PAD}) for i in range(600)])
-        m.publish_batch(channel, [("t", {"i": 600 + i, "pad": PAD}) for i in range(10)])
+        for first in range(0, n, 300):
+            items = [("t", {"i": i, "pad": PAD}) for i in range(first, min(n, first + 300))]
+            m.publish_batch(channel, items)
+        m.publish_batch(channel, [("t", {"i": n + i, "pad": PAD}) for i in range(10)])
     finally:
         m.close()
     segments = ks.list_segments(str(data_dir), channel)
@@ -342,3 +345,22 @@ def test_max_offsets_per_trigger_splits_micro_batches(
         query.stop()
     assert sum(batches) == 610 and len(batches) >= 4, batches
     assert spark.sql("SELECT count(DISTINCT id) AS n FROM limited").first()["n"] == 610
+
+
+def test_engine_gap_inside_a_read_raises_unless_fail_on_data_loss_false(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    segments = two_segments(data_dir, n=1000)
+    assert len(segments) >= 3, segments
+    reader = stream_reader(spark, data_dir)
+    lenient = stream_reader(spark, data_dir, failOnDataLoss="false")
+    start = reader.initialOffset()
+    parts = reader.partitions(start, reader.latestOffset(start))
+    second = next(p for p in parts if p.segment == segments[1])
+    for seg in segments[:2]:
+        segment_file(data_dir, "c", seg).unlink()
+    # The engine's reader (below the planning checks) finds the gap itself.
+    with pytest.raises(DataLossError):
+        list(reader.spec.read(second))
+    assert list(lenient.spec.read(second)) == []

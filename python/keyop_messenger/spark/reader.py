@@ -288,14 +288,27 @@ class ReadSpec:
         return plan_partitions(self.data_dir, self.channel, start, end, self.max_partition_bytes)
 
     def read(self, partition: KeyopPartition) -> Iterator[pa.RecordBatch]:
-        """The records of ``partition`` as Arrow batches of the read schema."""
-        return _read_partition(self.data_dir, self.channel, partition, self.schema)
+        """The records of ``partition`` as Arrow batches of the read schema
+        (``failOnDataLoss=false``: bytes gone from inside it are skipped)."""
+        return _read_partition(
+            self.data_dir,
+            self.channel,
+            partition,
+            self.schema,
+            skip_gaps=not self.fail_on_data_loss,
+        )
 
 
 def _read_partition(
-    data_dir: str, channel: str, partition: KeyopPartition, schema: StructType
+    data_dir: str,
+    channel: str,
+    partition: KeyopPartition,
+    schema: StructType,
+    *,
+    skip_gaps: bool = False,
 ) -> Iterator[pa.RecordBatch]:
-    """Yields the records of ``partition`` as Arrow batches of ``schema``."""
+    """Yields the records of ``partition`` as Arrow batches of ``schema``; a gap
+    raises :class:`DataLossError` unless ``skip_gaps``."""
     import pyarrow as pa
 
     from .. import _core
@@ -313,7 +326,9 @@ def _read_partition(
         else parse
     )
     types = [arrow_schema.field(i).type for i in range(len(arrow_schema))]
-    records: Iterator[Any] = _core.read_channel(data_dir, channel, partition.start)
+    records: Iterator[Any] = _core.read_channel(
+        data_dir, channel, partition.start, skip_gaps=skip_gaps
+    )
     while True:
         chunk = list(itertools.islice(records, _ARROW_BATCH_ROWS))
         if chunk and chunk[-1][0] >= partition.end:
