@@ -419,11 +419,11 @@ def test_tail_follow_waits_for_a_channel_to_appear(
 
 
 def test_tail_errors(tmp_path: Path) -> None:
-    err = assert_one_error_line(cli("tail", "--data-dir", tmp_path / "none", "c"))
-    assert "not a keyop data directory" in err
+    err = assert_one_error_line(cli("tail", "--data-dir", tmp_path / "none", "c"), 2)
+    assert "does not exist" in err and not (tmp_path / "none").exists()
     data_dir = go_data_dir(tmp_path / "go")
-    err = assert_one_error_line(cli("tail", "--data-dir", data_dir, "nope"))
-    assert "no channel 'nope'" in err
+    err = assert_one_error_line(cli("tail", "--data-dir", data_dir, "nope"), 2)
+    assert 'channel "nope" does not exist' in err
     err = assert_one_error_line(cli("tail", "--data-dir", data_dir, "../etc"))
     assert "invalid channel name" in err
 
@@ -550,11 +550,12 @@ def test_dead_letters_list_and_replay(tmp_path: Path) -> None:
 
 def test_dead_letters_of_a_channel_without_any(tmp_path: Path) -> None:
     _, data_dir, config = local_config(tmp_path)
-    Messenger(config).close()
+    with Messenger(config) as m:
+        m.publish("quiet", "t", 1)
     proc = cli("dead-letters", "--data-dir", data_dir, "quiet")
     assert (proc.returncode, proc.stdout) == (0, "")
     assert proc.stderr == "0 dead letters of quiet (0 not replayed)\n"
-    assert_one_error_line(cli("dead-letters", "--data-dir", tmp_path / "none", "c"))
+    assert_one_error_line(cli("dead-letters", "--data-dir", tmp_path / "none", "c"), 2)
 
 
 def test_help_of_every_operator_command() -> None:

@@ -42,6 +42,11 @@ PAD = "p" * 2200  # about 470 records fill a 1 MiB segment
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
     if SPARK_PROBLEM is not None:
         pytest.fail(f"Spark tests cannot run: {SPARK_PROBLEM}", pytrace=False)
+    active = SparkSession.getActiveSession()
+    if active is not None:  # tests/test_spark.py's session-wide one: share it, leave it open
+        ks.register(active)
+        yield active
+        return
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     work = tmp_path_factory.mktemp("spark-edges")

@@ -257,7 +257,13 @@ def test_dead_letters_count_on_their_own_channel(tmp_path: Path, start: Starter)
 
     m.subscribe("a", "bad", failing)
     m.publish_batch("a", [("test.Reading", {"n": i}) for i in range(3)])
-    wait_until(lambda: len(raw_records(data_dir, "a.dead-letter")) == 3, "3 dead letters")
+    # The records are in the file a moment before the writer's counters move:
+    # wait for both, then compare.
+    wait_until(
+        lambda: len(raw_records(data_dir, "a.dead-letter")) == 3
+        and channel(m, "a.dead-letter").messages_published == 3,
+        "3 dead letters, counted",
+    )
     dl = channel(m, "a.dead-letter")
     assert dl.stream_bytes == dl.disk_bytes == disk_size(data_dir, "a.dead-letter") > 0
     assert channel(m, "a").messages_published == 3

@@ -47,6 +47,13 @@ def _guarded(
     return guarded
 
 
+#: Seconds ``close()`` waits by default for subscriber handlers still running
+#: (``Messenger.close``, ``Subscription.close``, the async ``close``/``aclose``
+#: and the close at interpreter exit). A handler still running then is left
+#: behind with a warning; its message stays unacknowledged.
+CLOSE_TIMEOUT_S = 10.0
+
+
 class _SyncContext:
     """``with`` for the sync classes: entering calls :meth:`_enter` and gives
     the object itself; leaving calls ``close()``."""

@@ -65,8 +65,9 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._closing import CLOSE_TIMEOUT_S
 from .config import Config
-from .errors import ClosedError
+from .errors import ClosedError, ForkedProcessError
 from .message import Message
 
 if TYPE_CHECKING:
@@ -227,6 +228,8 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         self._types: list[tuple[str, type]] = []
         self._closed = False
         self._opening: asyncio.Future[S] | None = None
+        self._pid = os.getpid()
+        self._close_timeout = CLOSE_TIMEOUT_S
 
     # -- plumbing -----------------------------------------------------------
 
@@ -239,7 +242,15 @@ class _AsyncBase(_AsyncContext, Generic[S]):
     async def _run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         return await self._submit(fn, *args, **kwargs)
 
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:  # the pool and the messenger are the parent's
+            raise ForkedProcessError(
+                f"this {type(self).__name__} was opened in process {self._pid}, this is "
+                f"process {os.getpid()}: open a new one in the child"
+            )
+
     def _require(self) -> S:
+        self._check_process()
         if self._closed:
             raise ClosedError(f"{type(self).__name__} is closed")
         if self._sync is None:
@@ -266,6 +277,7 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         """Opens the underlying messenger on the pool (idempotent). Called by
         ``async with``. If cancelled, it completes and closes what it opened
         before re-raising."""
+        self._check_process()
         if self._closed:
             raise ClosedError(f"{type(self).__name__} is closed")
         if self._sync is not None:
@@ -286,14 +298,26 @@ class _AsyncBase(_AsyncContext, Generic[S]):
     async def _enter(self) -> None:
         await self.open()
 
-    async def close(self) -> None:
+    async def aclose(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Same as :meth:`close` (the name ``contextlib.aclosing`` calls)."""
+        await self.close(timeout)
+
+    async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops every subscription, closes the underlying messenger and the
         thread pool. Idempotent. Finishes even when the awaiting task is
         cancelled. Called from inside a handler, it starts closing and returns
-        at once (waiting would wait for that handler itself)."""
+        at once (waiting would wait for that handler itself).
+
+        Waits at most ``timeout`` seconds (default 10) for handlers still
+        running, as :meth:`Messenger.close` does. In a process forked after
+        it was opened it releases nothing (the pool and the messenger are the
+        parent's)."""
         if self._closed:
             return
         self._closed = True
+        self._close_timeout = timeout
+        if os.getpid() != self._pid:
+            return
         opening, sync = self._opening, self._sync
         if opening is not None:  # close() during open(): wait for it, then close
             with contextlib.suppress(Exception):
@@ -410,22 +434,24 @@ class AsyncSubscription(_AsyncContext):
         if self._sync is not None:
             self._sync.close()
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops delivery after the handler call in progress and keeps the
         subscriber's offset (subscribing again with the id resumes).
-        Idempotent; may be awaited from the handler itself."""
+        Idempotent; may be awaited from the handler itself. Waits at most
+        ``timeout`` seconds (default 10) for the handler call in progress, as
+        :meth:`Subscription.close` does."""
         if self._closed:
             return
         self._closed = True
         self._bridge.loop_gone = True  # ephemeral: no further handler call
         sync = self._sync
-        if sync is None or self._owner._closed:
+        if sync is None or self._owner._closed or os.getpid() != self._owner._pid:
             return
         if _IN_HANDLER.get():
             sync._deliverer.stop()
-            self._owner._pool.submit(sync.close)
+            self._owner._pool.submit(sync.close, timeout)
             return
-        await _finish(self._owner._submit(sync.close))
+        await _finish(self._owner._submit(sync.close, timeout))
 
     def __repr__(self) -> str:
         state = "active" if self.active else "closed"
@@ -443,6 +469,9 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
 
     def __init__(self, config: ConfigLike, *, max_workers: int = DEFAULT_WORKERS) -> None:
         super().__init__(config, max_workers)
+
+    def _close_sync(self, sync: Messenger) -> None:
+        sync.close(self._close_timeout)
 
     def _make(self) -> Messenger:
         from .messenger import Messenger

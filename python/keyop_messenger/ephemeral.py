@@ -31,6 +31,8 @@ log = logging.getLogger("keyop_messenger")
 
 #: Seconds ``connect()`` waits for the first connection by default.
 CONNECT_TIMEOUT_S = 10.0
+#: Seconds ``publish()`` waits for the hub's acknowledgement by default.
+PUBLISH_TIMEOUT_S = 60.0
 
 
 @refuse_when_closed(lambda e: e._closed, lambda e: f"ephemeral messenger {e.name!r}")
@@ -106,7 +108,10 @@ class EphemeralMessenger(_SyncContext):
 
     def connect(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
         """Dials the hub and waits up to ``timeout`` seconds for the handshake.
-        Raises :class:`ConnectionLostError` if it cannot connect."""
+        Raises :class:`KeyopTimeoutError` if no connection was made in time
+        (with ``auto_reconnect`` it keeps dialing in the background), and
+        :class:`ConnectionLostError` if the hub refused or could not be reached
+        without ``auto_reconnect``. Ctrl-C stops the waiting."""
         self._client.connect(timeout)
 
     def register_payload_type(self, name: str, cls: type) -> None:
@@ -151,8 +156,10 @@ class EphemeralMessenger(_SyncContext):
         *,
         service_name: str | None = None,
         correlation_id: str | None = None,
+        timeout: float = PUBLISH_TIMEOUT_S,
     ) -> str:
         """Publishes one message; returns its id once the hub committed it.
+        See :meth:`publish_batch` for ``timeout``.
 
         Raises :class:`PolicyError` (naming the channel and the hub) when the
         hub refuses the message: a channel not in this peer's allowed publish
@@ -164,6 +171,7 @@ class EphemeralMessenger(_SyncContext):
             [(payload_type, payload)],
             service_name=service_name,
             correlation_id=correlation_id,
+            timeout=timeout,
         )[0]
 
     def publish_batch(
@@ -173,6 +181,7 @@ class EphemeralMessenger(_SyncContext):
         *,
         service_name: str | None = None,
         correlation_id: str | None = None,
+        timeout: float = PUBLISH_TIMEOUT_S,
         ids: Sequence[str] | None = None,
     ) -> list[str]:
         """Publishes ``(payload_type, payload)`` pairs in one frame; returns
@@ -181,6 +190,12 @@ class EphemeralMessenger(_SyncContext):
         Raises :class:`PolicyError` when the hub refuses any of them (see
         :meth:`publish`); the others may have been stored.
 
+        Waits at most ``timeout`` seconds (default 60) for the
+        acknowledgement, also while disconnected with ``auto_reconnect``;
+        then raises :class:`KeyopTimeoutError`: a publish not yet sent is
+        dropped, one already sent may still have been stored by the hub
+        (at-least-once). Ctrl-C stops the waiting.
+
         ``ids``: one id per item, chosen by the caller (1-64 bytes of
         ``A-Za-z0-9-_.:``; :class:`InvalidNameError` otherwise): the hub drops
         a record whose id it has seen recently (``dedup.seen_id_lru_size``),
@@ -188,9 +203,11 @@ class EphemeralMessenger(_SyncContext):
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
-        send = self._client.publish_batch
-        if ids is not None:
-            send = functools.partial(send, ids=list(ids))
+        send = functools.partial(
+            self._client.publish_batch,
+            timeout_s=timeout,
+            ids=None if ids is None else list(ids),
+        )
         return send_batch(send, channel, pairs, service, corr, to_plain)
 
     def status(self) -> dict[str, Any]:

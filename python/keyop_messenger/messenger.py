@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import _core
-from ._closing import _SyncContext, refuse_when_closed
+from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
 from .config import AllowedPeer, Config, load_config
 from .context import _CONTEXT, resolve
 from .errors import send_batch, unicode_error
@@ -36,7 +36,9 @@ _MIB = 1024 * 1024
 RETENTION_INTERVAL_S = 30.0
 
 # Messengers still open at interpreter exit are closed first, so engine
-# threads never call into a finalising interpreter.
+# threads never call into a finalising interpreter. Each close waits at most
+# CLOSE_TIMEOUT_S for handlers still running, so exit never hangs on them;
+# in a forked child it releases nothing (the parent's messengers).
 _OPEN: weakref.WeakSet[Messenger] = weakref.WeakSet()
 
 
@@ -73,6 +75,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
         self._registry = PayloadRegistry()
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
         self._metrics: MetricsServer | None = None
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
         storage = config.storage
@@ -266,13 +269,15 @@ class Messenger(_core.MessengerBase, _SyncContext):
         over. If bytes after ``start_offset`` are gone (deleted by retention,
         a removed or truncated segment), raises :class:`DataLossError` naming
         the byte range, unless ``skip_gaps`` (then the gap is only logged and
-        counted in ``Stats.data_loss``)."""
+        counted in ``Stats.data_loss``).
+
+        Raises :class:`ChannelNotFoundError` (at the call, not at the first
+        ``next()``) if the channel does not exist; nothing is created."""
         try:
             rows = self._engine.read(channel, start_offset, skip_gaps=skip_gaps)
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel) from None
-        for row in rows:
-            yield entry_from_row(row, self._registry)
+        return (entry_from_row(row, self._registry) for row in rows)
 
     def stream_end(self, channel: str) -> int:
         """The committed end of ``channel``: the offset the next record gets."""
@@ -286,19 +291,34 @@ class Messenger(_core.MessengerBase, _SyncContext):
         """Whether :meth:`close` was called."""
         return self._closed
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops every subscription (each persists its offset), then flushes
-        and closes every channel. Idempotent; safe to call from a handler."""
+        and closes every channel. Idempotent; safe to call from a handler.
+
+        Waits at most ``timeout`` seconds (default 10) for handlers still
+        running. A handler that has not returned by then is left running: a
+        WARNING names its subscriber and channel, and its message stays
+        unacknowledged (the offset does not move past it), so it is
+        delivered again next time; the channels are still flushed and
+        closed, and the data directory is released. Ctrl-C stops the waiting
+        (the close still finishes) and raises :class:`KeyboardInterrupt`.
+
+        In a process forked after this messenger was opened, ``close()``
+        releases nothing and touches no file (they are the parent's); every
+        other call there raises :class:`ForkedProcessError`.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         _OPEN.discard(self)
-        if self._metrics is not None:
-            self._metrics.close()
+        if os.getpid() != self._pid:
+            return
         for subscription in list(self._subscriptions):
             subscription._deliverer.stop()
-        self._engine.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        self._engine.close(timeout)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -362,10 +382,14 @@ def read_channel(
     records are returned. Unreadable records are quarantined (copied to
     ``<data_dir>/quarantine/<channel>/<offset>.jsonl``, logged once) and
     passed over. Bytes gone after ``start_offset`` (0: the oldest record kept)
-    raise :class:`DataLossError` naming the byte range, unless ``skip_gaps``."""
+    raise :class:`DataLossError` naming the byte range, unless ``skip_gaps``.
+
+    Raises (at the call, not at the first ``next()``)
+    :class:`DataDirNotFoundError` if ``data_dir`` does not exist and
+    :class:`ChannelNotFoundError` if the channel does not; it never creates
+    anything."""
     try:
         rows = _core.read_channel(os.fspath(data_dir), channel, start_offset, skip_gaps=skip_gaps)
     except UnicodeEncodeError as exc:
         raise unicode_error(exc, channel=channel) from None
-    for row in rows:
-        yield entry_from_row(row, registry)
+    return (entry_from_row(row, registry) for row in rows)

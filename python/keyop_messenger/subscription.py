@@ -7,7 +7,7 @@ import typing
 from typing import Any
 
 from . import _core
-from ._closing import _SyncContext, refuse_when_closed
+from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
 from .errors import PayloadTypeError
 from .message import Message
 from .payloads import PayloadRegistry
@@ -106,11 +106,17 @@ class Subscription(_SyncContext):
         """Global offset of the next message not yet acknowledged."""
         return self._core.position
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops delivery after the handler call in progress (if any) and
-        persists the offset. Idempotent; may be called from the handler."""
+        persists the offset. Idempotent; may be called from the handler.
+
+        Waits at most ``timeout`` seconds (default 10) for that handler call:
+        if it has not returned by then it is left running, a WARNING names
+        the subscriber and channel, and its message stays unacknowledged
+        (delivered again to the id's next subscription). Ctrl-C stops the
+        waiting and raises :class:`KeyboardInterrupt`."""
         self._deliverer.stop()
-        self._core.close()
+        self._core.close(timeout)
 
     def __repr__(self) -> str:
         return f"<Subscription {self.channel!r}/{self.subscriber_id!r} at {self.position}>"

@@ -69,7 +69,7 @@ def _one_line(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    from ..errors import KeyopError
+    from ..errors import ChannelNotFoundError, DataDirNotFoundError, KeyopError
 
     parser = _build_parser()
     args_list = _normalise(list(sys.argv[1:] if argv is None else argv))
@@ -89,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except OpsUsageError as err:
         print(f"Error: {err}", file=sys.stderr)
+        return 2
+    except (DataDirNotFoundError, ChannelNotFoundError) as err:
+        # A path that does not exist: a usage error, and nothing was created.
+        print(f"Error: {_one_line(err)}", file=sys.stderr)
         return 2
     except (UsageError, CommandError, KeyopError, OSError) as err:
         print(f"Error: {_one_line(err)}", file=sys.stderr)

@@ -13,12 +13,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from ..config import Config
     from ..message import Message
     from ..messenger import Messenger
@@ -240,13 +239,17 @@ def local_only(config: Config) -> Config:
     return dataclasses.replace(config, **changes)
 
 
-def open_local(config_path: str, hint: str = "") -> Messenger:
+def open_local(config_path: str, hint: str = "", *, existing: bool = False) -> Messenger:
     """A messenger on the configuration's data directory (federation off);
-    a held data directory becomes one clear error line."""
+    a held data directory becomes one clear error line. With ``existing``
+    the data directory must exist already (it is not created): else
+    :class:`DataDirNotFoundError`."""
     from ..errors import DataDirLockedError
     from ..messenger import Messenger
 
     config = local_only(load(config_path))
+    if existing:
+        check_data_dir(Path(config.storage.data_dir))
     try:
         return Messenger(config)
     except DataDirLockedError as err:
@@ -295,7 +298,14 @@ def ephemeral_config(config: Config, subscribe: list[str] | None = None) -> Conf
 
 
 def check_data_dir(data_dir: Path) -> None:
-    """Raises :class:`CommandError` unless ``data_dir`` holds a ``channels/`` folder."""
+    """Raises :class:`DataDirNotFoundError` (exit status 2) if ``data_dir``
+    does not exist, :class:`CommandError` if it is not a data directory."""
+    from ..errors import DataDirNotFoundError
+
+    if not data_dir.exists():
+        raise DataDirNotFoundError(
+            f"data directory {data_dir} does not exist (only opening a messenger creates one)"
+        )
     if not (data_dir / "channels").is_dir():
         raise CommandError(f"{data_dir}: not a keyop data directory (no channels/ folder)")
 

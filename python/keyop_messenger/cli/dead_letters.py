@@ -102,10 +102,17 @@ def _replayed(data_dir: Path, channel: str) -> dict[str, str]:
 
 
 def _dead_letters(data_dir: Path, channel: str) -> list[Message]:
+    """The dead letters of ``channel``: none when it exists but nothing
+    failed yet; :class:`ChannelNotFoundError` when ``channel`` does not exist."""
+    from ..errors import ChannelNotFoundError
     from ..messenger import read_channel
 
     dl_channel = channel + DEAD_LETTER_SUFFIX
-    return [entry.message for entry in read_channel(data_dir, dl_channel)]
+    try:
+        return [entry.message for entry in read_channel(data_dir, dl_channel)]
+    except ChannelNotFoundError:
+        read_channel(data_dir, channel)  # the channel itself must exist
+        return []
 
 
 def _dead_letter_fields(msg: Message) -> dict[str, Any]:
@@ -172,10 +179,18 @@ def _fsync_dir(path: Path) -> None:
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     channel = _base_channel(args.channel)
-    m = open_local(args.config, "stop it first: replay publishes into the data directory")
+    from ..errors import ChannelNotFoundError
+
+    m = open_local(
+        args.config, "stop it first: replay publishes into the data directory", existing=True
+    )
     with m:
         data_dir = Path(m.config.storage.data_dir)
-        letters = [e.message for e in m.read_channel(channel + DEAD_LETTER_SUFFIX)]
+        try:
+            letters = [e.message for e in m.read_channel(channel + DEAD_LETTER_SUFFIX)]
+        except ChannelNotFoundError:
+            m.read_channel(channel)  # the channel itself must exist
+            letters = []
         if args.ids:
             wanted = set(args.ids)
             letters = [

@@ -360,10 +360,14 @@ def _last_records(data_dir: Path, channel: str, n: int) -> tuple[list[tuple[Any,
     """The last ``n`` rows of ``channel`` and the offset after them. Reads
     from the last segment back only as far as needed."""
     from .. import _core
+    from ..errors import ChannelNotFoundError
 
     starts = _segment_starts(data_dir / "channels" / channel) or [0]
     for index in range(len(starts) - 1, -1, -1):
-        rows = _core.read_channel(os.fspath(data_dir), channel, starts[index])
+        try:
+            rows = _core.read_channel(os.fspath(data_dir), channel, starts[index])
+        except ChannelNotFoundError:
+            return [], 0
         last = deque(rows, maxlen=n)
         if len(last) >= n or index == 0:
             return list(last), rows.position
@@ -372,14 +376,18 @@ def _last_records(data_dir: Path, channel: str, n: int) -> tuple[list[tuple[Any,
 
 def _cmd_tail(args: argparse.Namespace) -> int:
     from .. import _core
+    from ..errors import ChannelNotFoundError
     from ..message import entry_from_row
 
     data_dir = Path(args.data_dir)
     channel: str = args.channel
     check_data_dir(data_dir)
-    if not (data_dir / "channels" / channel).is_dir() and not args.follow:
-        list(_core.read_channel(os.fspath(data_dir), channel, 0))  # InvalidNameError first
-        raise CommandError(f"no channel {channel!r} in {data_dir}")
+    try:
+        _core.read_channel(os.fspath(data_dir), channel, 0)  # InvalidNameError first
+    except ChannelNotFoundError:
+        if not args.follow:
+            raise
+        # --follow waits for the channel to appear.
     out = Out()
 
     def emit(row: tuple[Any, ...]) -> None:
@@ -393,7 +401,12 @@ def _cmd_tail(args: argparse.Namespace) -> int:
             emit(row)
         sleep = 0.05
         while args.follow:
-            it = _core.read_channel(os.fspath(data_dir), channel, position)
+            try:
+                it = _core.read_channel(os.fspath(data_dir), channel, position)
+            except ChannelNotFoundError:
+                check_data_dir(data_dir)  # it may go away meanwhile
+                time.sleep(FOLLOW_MAX_SLEEP_S)
+                continue
             got = False
             for row in it:
                 emit(row)

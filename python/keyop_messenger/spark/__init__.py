@@ -100,9 +100,10 @@ Read options
     ``payload`` column then is a struct of those fields parsed from the JSON (missing
     keys and values that do not fit their type are null, as with Spark's permissive
     ``from_json``; ``NOT NULL`` constraints are dropped) instead of the JSON string.
-    A missing data directory raises :class:`~keyop_messenger.errors.DataDirNotFoundError`,
-    a missing channel :class:`~keyop_messenger.errors.ChannelNotFoundError`;
-    ``allowMissing=true`` reads them as empty instead.
+    A ``data_dir`` or ``channel`` that does not exist raises ``DataDirNotFoundError`` /
+    ``ChannelNotFoundError`` when the query is planned (a typo is not an empty
+    result); ``allowMissing``: ``true`` reads them as empty instead (a streaming read
+    then waits for the channel to appear). Reading never creates anything.
 
     Columns: ``id``, ``ts`` (timestamp; nanoseconds truncated to microseconds),
     ``channel``, ``origin``, ``payload_type``, ``service_name``, ``correlation_id``

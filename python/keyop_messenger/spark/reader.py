@@ -266,6 +266,12 @@ class ReadSpec:
         is missing, unless ``allowMissing`` (then False: read nothing)."""
         return check_exists(self.data_dir, self.channel, allow_missing=self.allow_missing)
 
+    def check_exists(self) -> None:
+        """Raises :class:`DataDirNotFoundError` / :class:`ChannelNotFoundError`
+        unless the data directory and channel exist or ``allowMissing`` is set
+        (the planning step's check)."""
+        self.exists()
+
     def start(self) -> int:
         """The offset the read starts at (``earliest``, ``latest`` or a byte offset moved to the
         next record)."""

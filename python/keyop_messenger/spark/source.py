@@ -57,6 +57,7 @@ class KeyopDataSource(DataSource):
             raise ValueError(
                 "keyop data source: option 'maxOffsetsPerTrigger' applies to streaming reads"
             )
+        spec.check_exists()
         return BatchReader(spec)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
@@ -67,6 +68,7 @@ class KeyopDataSource(DataSource):
                 "keyop data source: option 'endingOffsets' applies to batch reads (a stream "
                 "follows the channel)"
             )
+        spec.check_exists()
         return StreamReader(spec)
 
     def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:

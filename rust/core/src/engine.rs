@@ -2,6 +2,8 @@
 // read, subscribe, stats, federation), each entry point short; splitting it scatters the API.
 //! The messenger engine: a data directory plus an instance name, publishing
 //! envelopes through the channel writers.
+//! why this file is long: it is the engine's whole public surface, each a short
+//! method delegating to storage, subscribe or federation.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -15,12 +17,16 @@ use crate::envelope::{
     self, encode_record, validate_name, Header, NameKind, Stamp, MAX_RECORD_BYTES,
 };
 use crate::federation::{FedConfig, Federation};
+use crate::fork::Owner;
 use crate::stats::{ChannelSnapshot, EngineStats, SubscriberSnapshot};
 use crate::storage::compaction::{self, CompactionReport, RetentionConfig};
 use crate::storage::offsets::{offset_path, subscribers_dir};
 use crate::storage::{ChannelWriter, LogReader, StorageError, Store, StoreConfig};
 use crate::subscribe::{Handler, Stop, SubscribeOptions, Subscriber, Wiring};
 use crate::Error;
+
+/// How long [`Engine::close`] waits for handlers still running.
+pub const DEFAULT_CLOSE_TIMEOUT: Duration = crate::subscribe::DEFAULT_STOP_TIMEOUT;
 
 /// One message to publish; the payload is already compact JSON.
 #[derive(Debug, Clone, Copy)]
@@ -50,6 +56,8 @@ pub struct Engine {
     seen: OnceLock<Arc<SeenIds>>,
     federation: Mutex<Option<Federation>>,
     stats: Arc<EngineStats>,
+    /// The process that opened it: a forked child may not use it.
+    owner: Owner,
 }
 
 type SubscriberKey = (String, String);
@@ -69,7 +77,9 @@ impl Engine {
         if origin.is_empty() {
             return Err(Error::Config("instance name must not be empty".into()));
         }
+        let owner = Owner::current();
         Ok(Engine {
+            owner,
             store: Arc::new(Store::open(cfg)?),
             origin: origin.to_owned(),
             closed: AtomicBool::new(false),
@@ -91,7 +101,18 @@ impl Engine {
         &self.store
     }
 
+    /// `Err(Error::Forked)` in a process forked after this engine was opened.
+    pub fn check_process(&self) -> Result<(), Error> {
+        self.owner.check("messenger")
+    }
+
+    /// Whether the caller runs in a process forked after this engine was opened.
+    pub fn is_forked(&self) -> bool {
+        self.owner.is_foreign()
+    }
+
     fn check_open(&self) -> Result<(), Error> {
+        self.check_process()?;
         if self.closed.load(Ordering::Acquire) {
             Err(Error::Closed("messenger is closed".into()))
         } else {
@@ -209,6 +230,17 @@ impl Engine {
         Ok((self.store.reader(dir, from), writer))
     }
 
+    /// A reader of an existing `channel` from global offset `from`, and its
+    /// writer (whose committed end limits reads). A channel that does not
+    /// exist is [`StorageError::ChannelNotFound`]; nothing is created.
+    pub fn read(&self, channel: &str, from: u64) -> Result<(LogReader, Arc<ChannelWriter>), Error> {
+        self.check_open()?;
+        validate_name(NameKind::Channel, channel)?;
+        let dir = existing_channel_dir(self.store.data_dir(), channel)?;
+        let writer = self.store.writer(channel)?;
+        Ok((self.store.reader(dir, from), writer))
+    }
+
     fn subs(&self) -> std::sync::MutexGuard<'_, HashMap<SubscriberKey, Arc<Subscriber>>> {
         self.subscribers.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -234,7 +266,7 @@ impl Engine {
                     "subscriber {id:?} is already subscribed to channel {channel:?}; close that subscription first"
                 )));
             }
-            if !existing.is_finished() {
+            if !existing.wait_finished(Duration::from_secs(1)) {
                 // Closed from its own handler: its thread still persists the offset.
                 return Err(Error::Subscription(format!(
                     "subscriber {id:?} of channel {channel:?} is still stopping; try again shortly"
@@ -269,12 +301,26 @@ impl Engine {
     /// Stops `sub` (its offset is kept) and forgets it, unless another
     /// subscription has replaced it under the same id. Idempotent.
     pub fn release(&self, sub: &Arc<Subscriber>) {
+        self.release_within(sub, DEFAULT_CLOSE_TIMEOUT, &mut || false);
+    }
+
+    /// [`Engine::release`] waiting at most `timeout` for a handler call in
+    /// progress (see [`Subscriber::stop_within`]); false when it gave up.
+    pub fn release_within(
+        &self,
+        sub: &Arc<Subscriber>,
+        timeout: Duration,
+        interrupted: &mut dyn FnMut() -> bool,
+    ) -> bool {
+        if self.owner.is_foreign() {
+            return true;
+        }
         if sub.is_current_thread() {
             // From its own handler: signal only; the entry stays until the
             // thread has ended, so the same id cannot start a second writer
             // of its offset file meanwhile.
-            sub.stop();
-            return;
+            sub.signal_stop();
+            return true;
         }
         let key = (sub.channel().to_owned(), sub.id().to_owned());
         {
@@ -283,7 +329,7 @@ impl Engine {
                 subs.remove(&key);
             }
         }
-        sub.stop();
+        sub.stop_within(timeout, interrupted)
     }
 
     /// Stops subscriber `id` of `channel` (its offset is kept). Returns
@@ -344,6 +390,7 @@ impl Engine {
 
     /// Per-channel figures for every channel of the data directory.
     pub fn channel_stats(&self) -> Result<Vec<ChannelSnapshot>, Error> {
+        self.check_process()?;
         let active: HashMap<(String, String), u64> = self
             .subs()
             .iter()
@@ -360,6 +407,7 @@ impl Engine {
 
     /// Runs one retention pass over every channel of the data directory.
     pub fn compact(&self, cfg: &RetentionConfig) -> Result<Vec<(String, CompactionReport)>, Error> {
+        self.check_process()?;
         let root = self.store.data_dir();
         let channels = compaction::list_channels(root).map_err(io_error(format!(
             "cannot list channels of {}",
@@ -392,6 +440,7 @@ impl Engine {
         cfg: RetentionConfig,
         interval: Duration,
     ) -> Result<(), Error> {
+        self.check_process()?;
         self.stop_retention();
         let stop = Arc::new(Stop::default());
         let (engine, s) = (Arc::downgrade(self), stop.clone());
@@ -455,8 +504,29 @@ impl Engine {
 
     /// Stops federation (if running), every subscriber (each persists its
     /// offset) and the retention thread, then flushes and closes every
-    /// channel. Idempotent.
+    /// channel. Idempotent. Waits at most [`DEFAULT_CLOSE_TIMEOUT`] for
+    /// handlers still running (see [`Engine::close_within`]).
     pub fn close(&self) {
+        self.close_within(DEFAULT_CLOSE_TIMEOUT, &mut || false);
+    }
+
+    /// [`Engine::close`] waiting at most `timeout` in all for subscriber
+    /// handlers still running. A handler that does not return in time is
+    /// left running (a warning names it) and its message stays
+    /// unacknowledged: the offset does not move past it, so it is delivered
+    /// again next time; the channels are flushed and closed all the same.
+    /// `interrupted` is asked every 100 ms while waiting; true stops the
+    /// waiting at once (the rest of the close still runs). Returns false
+    /// when some handler was left running.
+    ///
+    /// In a process forked after the engine was opened it releases nothing
+    /// and touches no file: everything belongs to the parent.
+    pub fn close_within(&self, timeout: Duration, interrupted: &mut dyn FnMut() -> bool) -> bool {
+        if self.owner.is_foreign() {
+            self.leak_in_child();
+            return true;
+        }
+        let started = Instant::now();
         self.closed.store(true, Ordering::Release);
         let fed = self
             .federation
@@ -467,11 +537,51 @@ impl Engine {
             fed.stop();
         }
         let subs: Vec<_> = self.subs().drain().map(|(_, s)| s).collect();
-        for s in subs {
-            s.stop();
+        for s in &subs {
+            s.signal_stop();
+        }
+        let mut all_done = true;
+        let mut gave_up = false;
+        for s in &subs {
+            let left = if gave_up {
+                Duration::ZERO
+            } else {
+                timeout.saturating_sub(started.elapsed())
+            };
+            let mut check = || {
+                gave_up = gave_up || interrupted();
+                gave_up
+            };
+            all_done &= s.stop_within(left, &mut check);
         }
         self.stop_retention();
         self.store.close();
+        all_done
+    }
+
+    /// In a forked child: lets go of the parent's threads, runtime and files
+    /// without joining, flushing or closing anything.
+    fn leak_in_child(&self) {
+        if let Some(fed) = self
+            .federation
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            std::mem::forget(fed);
+        }
+        for (_, s) in self.subs().drain() {
+            std::mem::forget(s);
+        }
+        if let Some(r) = self
+            .retention
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            std::mem::forget(r);
+        }
+        std::mem::forget(self.store.clone());
     }
 }
 
@@ -620,11 +730,28 @@ fn channel_snapshots(
 }
 
 /// A reader over a channel of any data directory, including one written by
-/// keyop-messenger 1.4 or by another process (no lock is taken).
+/// keyop-messenger 1.4 or by another process (no lock is taken). Creates
+/// nothing: a data directory or channel that does not exist is an error
+/// ([`StorageError::DataDirNotFound`], [`StorageError::ChannelNotFound`]).
 pub fn read_channel(data_dir: &Path, channel: &str, from: u64) -> Result<LogReader, Error> {
     envelope::validate_name(NameKind::Channel, channel)?;
-    Ok(LogReader::new(
-        crate::storage::channel_dir(data_dir, channel),
-        from,
-    ))
+    let dir = existing_channel_dir(data_dir, channel)?;
+    Ok(LogReader::new(dir, from))
+}
+
+/// `data_dir/channels/<channel>` if both exist (the name must already be
+/// validated); nothing is created.
+pub fn existing_channel_dir(data_dir: &Path, channel: &str) -> Result<std::path::PathBuf, Error> {
+    if !data_dir.is_dir() {
+        return Err(StorageError::DataDirNotFound(data_dir.to_owned()).into());
+    }
+    let dir = crate::storage::channel_dir(data_dir, channel);
+    if !dir.is_dir() {
+        return Err(StorageError::ChannelNotFound {
+            data_dir: data_dir.to_owned(),
+            channel: channel.to_owned(),
+        }
+        .into());
+    }
+    Ok(dir)
 }

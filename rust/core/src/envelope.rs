@@ -15,6 +15,7 @@
 
 use std::fmt;
 use std::io::Write as _;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -357,7 +358,41 @@ pub fn dead_letter_channel(channel: &str) -> String {
 }
 
 /// The UUIDv7 clock sequence of this process: ids are monotonic within it.
-static V7_CONTEXT: Mutex<ContextV7> = Mutex::new(ContextV7::new());
+/// Tagged with the fork generation it belongs to: a forked child starts a
+/// fresh one (the parent's copy could be locked by a thread the child does
+/// not have, and would repeat the parent's sequence).
+struct V7Context {
+    generation: u64,
+    context: Mutex<ContextV7>,
+}
+
+static V7_CONTEXT: AtomicPtr<V7Context> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The clock sequence of this process (created on first use, and again in
+/// each forked child; the few bytes of a replaced one are never freed).
+fn v7_context() -> &'static V7Context {
+    let generation = crate::fork::generation();
+    let current = V7_CONTEXT.load(Ordering::Acquire);
+    // SAFETY: every pointer stored is a leaked Box, never freed.
+    if let Some(ctx) = unsafe { current.as_ref() } {
+        if ctx.generation == generation {
+            return ctx;
+        }
+    }
+    let fresh = Box::into_raw(Box::new(V7Context {
+        generation,
+        context: Mutex::new(ContextV7::new()),
+    }));
+    match V7_CONTEXT.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire) {
+        // SAFETY: just leaked above.
+        Ok(_) => unsafe { &*fresh },
+        Err(winner) => {
+            // SAFETY: ours was never shared; the winner is a leaked Box.
+            drop(unsafe { Box::from_raw(fresh) });
+            unsafe { &*winner }
+        }
+    }
+}
 
 /// A fresh message id and its timestamp, taken from one clock reading.
 ///
@@ -375,7 +410,10 @@ impl Stamp {
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
         let (secs, nanos) = (since.as_secs(), since.subsec_nanos());
-        let ts = uuid::Timestamp::from_unix(&V7_CONTEXT, secs, nanos);
+        // After a fork the child's copy of this thread's generator would
+        // repeat the parent's numbers: reseed it first.
+        crate::fork::reseed_rng_after_fork();
+        let ts = uuid::Timestamp::from_unix(&v7_context().context, secs, nanos);
         let mut id = [0u8; 36];
         uuid::Uuid::new_v7(ts).hyphenated().encode_lower(&mut id);
         Stamp {

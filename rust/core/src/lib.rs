@@ -8,6 +8,7 @@ pub mod dedup;
 pub mod engine;
 pub mod envelope;
 pub mod federation;
+pub mod fork;
 pub mod keygen;
 pub mod lograte;
 pub mod memtrim;

@@ -1,5 +1,7 @@
 //! Delivery to local subscribers: read -> handler -> retry/backoff ->
 //! acknowledge or dead-letter, with a persisted offset per subscriber.
+//! why this file is long: the delivery loop, its retry/dead-letter path and the
+//! subscriber's bounded stop share the worker's state.
 //!
 //! why this file is long: the delivery loop, its retry/dead-letter
 //! settlement and the handling of what a reader can meet (gaps, unreadable
@@ -152,11 +154,23 @@ impl Stop {
     }
 }
 
+/// How long [`Subscriber::stop`] (and so a drop) waits for a handler call in
+/// progress before giving up on it.
+pub const DEFAULT_STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Slice of a bounded wait between two checks for an interruption.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
 /// A running subscriber. Dropping it stops it (see [`Subscriber::stop`]).
 pub struct Subscriber {
     channel: String,
     id: String,
     stop: Arc<Stop>,
+    /// Set by the delivery thread as its last act.
+    finished: Arc<Stop>,
+    /// Set when a stop gave up waiting: the thread writes no offset any more.
+    abandoned: Arc<AtomicBool>,
+    owner: crate::fork::Owner,
     writer: Arc<ChannelWriter>,
     position: Arc<AtomicU64>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -179,6 +193,8 @@ struct Worker<H: Handler> {
     last_flush: Instant,
     position: Arc<AtomicU64>,
     stop: Arc<Stop>,
+    finished: Arc<Stop>,
+    abandoned: Arc<AtomicBool>,
     stats: Arc<EngineStats>,
 }
 
@@ -220,6 +236,8 @@ impl Subscriber {
         }
         write_offset(&offset_path, start)?;
         let stop = Arc::new(Stop::default());
+        let finished = Arc::new(Stop::default());
+        let abandoned = Arc::new(AtomicBool::new(false));
         let position = Arc::new(AtomicU64::new(start));
         let worker = Worker {
             channel: channel.to_owned(),
@@ -235,6 +253,8 @@ impl Subscriber {
             last_flush: Instant::now(),
             position: position.clone(),
             stop: stop.clone(),
+            finished: finished.clone(),
+            abandoned: abandoned.clone(),
             stats,
         };
         let thread = thread::Builder::new()
@@ -244,6 +264,9 @@ impl Subscriber {
             channel: channel.to_owned(),
             id: id.to_owned(),
             stop,
+            finished,
+            abandoned,
+            owner: crate::fork::Owner::current(),
             writer,
             position,
             thread_id: thread.thread().id(),
@@ -280,29 +303,97 @@ impl Subscriber {
             .is_none_or(|h| h.is_finished())
     }
 
+    /// Waits up to `timeout` for the delivery thread to finish (after a
+    /// stop: its offset is then persisted); true when it has.
+    pub fn wait_finished(&self, timeout: Duration) -> bool {
+        if self.is_current_thread() {
+            return false;
+        }
+        self.finished.sleep(timeout) || self.is_finished()
+    }
+
     /// Whether the caller runs on this subscriber's delivery thread (its handler).
     pub fn is_current_thread(&self) -> bool {
         thread::current().id() == self.thread_id
     }
 
-    /// Stops delivery, waits for a handler call in progress to return, and
-    /// persists the offset. Idempotent. Called from the subscriber's own
-    /// handler it only signals: the thread ends when the handler returns.
+    /// Stops delivery, waits up to [`DEFAULT_STOP_TIMEOUT`] for a handler
+    /// call in progress to return, and persists the offset (see
+    /// [`Subscriber::stop_within`]).
     pub fn stop(&self) {
+        self.stop_within(DEFAULT_STOP_TIMEOUT, &mut || false);
+    }
+
+    /// Asks the delivery thread to stop after the handler call in progress,
+    /// without waiting.
+    pub fn signal_stop(&self) {
         self.stop.set();
         self.writer.notifier().wake_all();
+    }
+
+    /// Stops delivery and waits up to `timeout` for a handler call in
+    /// progress to return; the thread then persists the offset. Returns
+    /// false when it gave up: the handler is still running, a warning names
+    /// the subscriber and channel, and the thread will write no offset any
+    /// more, so the message in hand stays unacknowledged and is delivered
+    /// again next time. `interrupted` is asked every 100 ms; true gives up
+    /// at once. Idempotent. Called from the subscriber's own handler it only
+    /// signals; in a forked child it does nothing (the thread is the
+    /// parent's).
+    pub fn stop_within(&self, timeout: Duration, interrupted: &mut dyn FnMut() -> bool) -> bool {
+        if self.owner.is_foreign() {
+            return true;
+        }
+        self.signal_stop();
         if self.is_current_thread() {
-            return;
+            return true;
         }
-        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(h) = handle {
-            let _ = h.join();
+        let mut thread = self.thread.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(handle) = thread.as_ref() else {
+            return true;
+        };
+        let started = Instant::now();
+        loop {
+            let left = timeout.saturating_sub(started.elapsed());
+            if self.finished.sleep(left.min(WAIT_SLICE)) || handle.is_finished() {
+                if let Some(h) = thread.take() {
+                    let _ = h.join();
+                }
+                return true;
+            }
+            if left.is_zero() || interrupted() {
+                break;
+            }
         }
+        self.abandoned.store(true, Ordering::Release);
+        // Detached: it ends when (if ever) the handler returns.
+        thread.take();
+        log::warn!(
+            "channel {:?}: subscriber {:?}: the handler did not return within {:.1}s of the stop; \
+             stopped waiting for it. The message it holds stays unacknowledged and is delivered again \
+             next time",
+            self.channel,
+            self.id,
+            started.elapsed().as_secs_f64()
+        );
+        false
     }
 }
 
 impl Drop for Subscriber {
     fn drop(&mut self) {
+        if self.owner.is_foreign() {
+            // The parent's thread: neither joined nor detached here.
+            if let Some(h) = self
+                .thread
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+            {
+                std::mem::forget(h);
+            }
+            return;
+        }
         self.stop();
     }
 }
@@ -384,6 +475,7 @@ impl<H: Handler> Worker<H> {
             self.flush_offset(false);
         }
         self.flush_offset(true);
+        self.finished.set();
     }
 
     /// Reads up to `max_batch` decodable records. Unreadable lines and
@@ -695,7 +787,7 @@ impl<H: Handler> Worker<H> {
     /// Writes the acknowledged offset if it moved and the flush interval
     /// allows (always when `force`).
     fn flush_offset(&mut self, force: bool) {
-        if self.acked == self.persisted {
+        if self.acked == self.persisted || self.abandoned.load(Ordering::Acquire) {
             return;
         }
         if !force && self.last_flush.elapsed() < self.opts.offset_flush_interval {

@@ -29,6 +29,41 @@ use pyo3::types::{PyDict, PyString, PyTuple};
 use errors::{new_err, IntoPyResult, Kind};
 use json::PyDecoder;
 
+/// Runs `wait(interrupted)` with the GIL released; `interrupted` checks for
+/// Python signals (Ctrl-C) every time the engine asks (every ~100 ms), so a
+/// bounded wait can be cut short. A signal's exception (e.g.
+/// KeyboardInterrupt) is raised after `wait` returns, instead of its result.
+fn interruptible<T: Send>(
+    py: Python<'_>,
+    wait: impl FnOnce(&mut dyn FnMut() -> bool) -> T + Send,
+) -> PyResult<T> {
+    let mut raised: Option<PyErr> = None;
+    let out = py.detach(|| {
+        let mut check = || {
+            if raised.is_none() {
+                raised = Python::attach(|py| py.check_signals()).err();
+            }
+            raised.is_some()
+        };
+        wait(&mut check)
+    });
+    match raised {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// `timeout_s` (seconds, None: the engine's default) as a duration.
+fn timeout_or(timeout_s: Option<f64>, default: Duration) -> PyResult<Duration> {
+    match timeout_s {
+        None => Ok(default),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Duration::from_secs_f64(t)),
+        Some(t) => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "timeout must be a finite number of seconds >= 0, got {t}"
+        ))),
+    }
+}
+
 /// A local messenger instance: a data directory and an instance name.
 #[pyclass(module = "keyop_messenger._core", name = "Engine", frozen)]
 struct PyEngine {
@@ -328,7 +363,8 @@ impl PyEngine {
     }
 
     /// Reads committed records of `channel` from `start_offset`. A gap
-    /// raises `DataLossError` unless `skip_gaps`.
+    /// raises `DataLossError` unless `skip_gaps`; a channel that does not
+    /// exist raises `ChannelNotFoundError` (nothing is created).
     #[pyo3(signature = (channel, start_offset = 0, *, skip_gaps = false))]
     fn read(
         &self,
@@ -338,10 +374,10 @@ impl PyEngine {
         skip_gaps: bool,
     ) -> PyResult<RecordIter> {
         let (reader, writer) = py
-            .detach(|| self.engine.reader(channel, start_offset))
+            .detach(|| self.engine.read(channel, start_offset))
             .py_err(py)?;
         Ok(RecordIter {
-            limit: Limit::Committed(writer),
+            limit: Limit::Committed(Some(writer)),
             reader,
             decoder: PyDecoder::default(),
             data_dir: self.engine.store().data_dir().to_owned(),
@@ -537,11 +573,13 @@ impl PyEngine {
 
     /// `(host, port)` the hub listens on, or None.
     #[getter]
-    fn hub_address(&self) -> Option<(String, u16)> {
-        self.engine
+    fn hub_address(&self, py: Python<'_>) -> PyResult<Option<(String, u16)>> {
+        self.engine.check_process().py_err(py)?;
+        Ok(self
+            .engine
             .with_federation(|f| f.hub_addr())
             .flatten()
-            .map(|a| (a.ip().to_string(), a.port()))
+            .map(|a| (a.ip().to_string(), a.port())))
     }
 
     /// A snapshot: `{"channels": [...], "latency": {stage: (count, p50_us,
@@ -604,6 +642,7 @@ impl PyEngine {
     /// Federation state: `{"hub": {...} | None, "clients": [{...}]}`.
     fn federation_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use std::sync::atomic::Ordering::Relaxed;
+        self.engine.check_process().py_err(py)?;
         let d = PyDict::new(py);
         d.set_item("hub", py.None())?;
         d.set_item("clients", pyo3::types::PyList::empty(py))?;
@@ -662,13 +701,28 @@ impl PyEngine {
     /// `torn` of them kept as a torn write) and closes the engine.
     #[pyo3(signature = (torn = 0))]
     fn _simulate_power_loss(&self, py: Python<'_>, torn: usize) -> PyResult<()> {
+        self.engine.check_process().py_err(py)?;
         py.detach(|| self.engine.simulate_power_loss(torn))
             .py_err(py)
     }
 
-    /// Flushes and closes every channel. Idempotent.
-    fn close(&self, py: Python<'_>) {
-        py.detach(|| self.engine.close());
+    /// Stops every subscriber, waiting at most `timeout_s` (default 10 s)
+    /// for handlers still running, then flushes and closes every channel.
+    /// Returns False when a handler was left running (its message stays
+    /// unacknowledged). Ctrl-C stops the waiting (the close still
+    /// finishes) and raises KeyboardInterrupt. Idempotent; in a forked
+    /// child it releases nothing.
+    #[pyo3(signature = (timeout_s = None))]
+    fn close(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+        let timeout = timeout_or(timeout_s, keyop_core::engine::DEFAULT_CLOSE_TIMEOUT)?;
+        interruptible(py, |check| self.engine.close_within(timeout, check))
+    }
+
+    /// Whether this is a process forked after the engine was opened (where
+    /// every call raises ForkedProcessError).
+    #[getter]
+    fn forked(&self) -> bool {
+        self.engine.is_forked()
     }
 }
 
@@ -829,10 +883,11 @@ impl EphemeralClient {
         Ok(EphemeralClient { client, origin })
     }
 
-    /// Dials the hub; waits up to `timeout_s` for the first connection.
+    /// Dials the hub; waits up to `timeout_s` for the first connection
+    /// (KeyopTimeoutError after that). Ctrl-C stops the waiting.
     fn connect(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
-        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
-        py.detach(|| self.client.connect(timeout)).py_err(py)
+        let timeout = timeout_or(Some(timeout_s), Duration::ZERO)?;
+        interruptible(py, |check| self.client.connect_within(timeout, check))?.py_err(py)
     }
 
     /// Sets `deliver(rows)`, called with rows like a subscription's for
@@ -866,10 +921,12 @@ impl EphemeralClient {
     }
 
     /// Publishes `(payload_type, payload)` items in one frame; returns their
-    /// ids once the hub acknowledged (after committing) the frame. `ids`: one
-    /// valid id per item, given by the caller (default: new ids); the hub
-    /// drops a record whose id it has recently seen.
-    #[pyo3(signature = (channel, items, service_name = None, correlation_id = None, default = None, ids = None))]
+    /// ids once the hub acknowledged (after committing) the frame. Waits at
+    /// most `timeout_s` (default 60 s) for that (KeyopTimeoutError after
+    /// it); Ctrl-C stops the waiting. `ids`: one valid id per item, given by
+    /// the caller (default: new ids); the hub drops a record whose id it has
+    /// recently seen.
+    #[pyo3(signature = (channel, items, service_name = None, correlation_id = None, default = None, timeout_s = None, ids = None))]
     #[allow(clippy::too_many_arguments)]
     fn publish_batch(
         &self,
@@ -879,8 +936,10 @@ impl EphemeralClient {
         service_name: Option<&str>,
         correlation_id: Option<&str>,
         default: Option<&Bound<'_, PyAny>>,
+        timeout_s: Option<f64>,
         ids: Option<Vec<String>>,
     ) -> PyResult<Vec<String>> {
+        let timeout = timeout_or(timeout_s, keyop_core::federation::ACK_TIMEOUT)?;
         keyop_core::envelope::validate_name(keyop_core::NameKind::PublishChannel, channel)
             .map_err(keyop_core::Error::from)
             .py_err(py)?;
@@ -918,8 +977,10 @@ impl EphemeralClient {
             return Ok(ids);
         }
         let sent = ids.clone();
-        py.detach(|| self.client.send(channel, sent, body))
-            .py_err(py)?;
+        interruptible(py, |check| {
+            self.client.send_within(channel, sent, body, timeout, check)
+        })?
+        .py_err(py)?;
         Ok(ids)
     }
 
@@ -970,10 +1031,17 @@ impl Subscription {
         self.sub.position()
     }
 
-    /// Stops delivery (a handler call in progress finishes first) and
-    /// persists the offset. Idempotent; safe to call from the handler.
-    fn close(&self, py: Python<'_>) {
-        py.detach(|| self.engine.release(&self.sub));
+    /// Stops delivery and persists the offset, waiting at most `timeout_s`
+    /// (default 10 s) for a handler call in progress; returns False when it
+    /// was left running (its message stays unacknowledged, delivered again
+    /// next time). Ctrl-C stops the waiting and raises KeyboardInterrupt.
+    /// Idempotent; safe to call from the handler.
+    #[pyo3(signature = (timeout_s = None))]
+    fn close(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+        let timeout = timeout_or(timeout_s, keyop_core::engine::DEFAULT_CLOSE_TIMEOUT)?;
+        interruptible(py, |check| {
+            self.engine.release_within(&self.sub, timeout, check)
+        })
     }
 }
 

@@ -1,4 +1,6 @@
 //! The ephemeral client: a hub client with no local storage.
+//! why this file is long: one client's whole life (connect, bounded publish with
+//! refusals, close, fork safety) around its one connection task.
 //!
 //! `publish` hands a batch to the connection task through a bounded queue
 //! (a full queue is an error the caller sees) and blocks until the hub
@@ -60,8 +62,37 @@ struct Pending {
     body: Vec<u8>,
     /// Ids of the records in `body`, to match the hub's refusals.
     ids: Vec<String>,
-    /// The records the hub refused (empty: all stored), or why the frame failed.
+    /// The records the hub refused (empty: all stored), or why the frame
+    /// failed. Closed when the publisher stopped waiting (timeout): the
+    /// publish is then not sent.
     done: oneshot::Sender<Result<Vec<Refused>, String>>,
+}
+
+/// Slice of a bounded wait between two checks for an interruption.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// Runs `fut` on `rt` for at most `timeout`, asking `interrupted` every
+/// 100 ms. `Ok(None)`: the time ran out; `Err(())`: interrupted.
+fn wait_bounded<F: std::future::Future + Unpin>(
+    rt: &Runtime,
+    mut fut: F,
+    timeout: Duration,
+    interrupted: &mut dyn FnMut() -> bool,
+) -> Result<Option<F::Output>, ()> {
+    let started = std::time::Instant::now();
+    loop {
+        let left = timeout.saturating_sub(started.elapsed());
+        let slice = left.min(WAIT_SLICE);
+        if let Ok(out) = rt.block_on(async { tokio::time::timeout(slice, &mut fut).await }) {
+            return Ok(Some(out));
+        }
+        if interrupted() {
+            return Err(());
+        }
+        if left.is_zero() {
+            return Ok(None);
+        }
+    }
 }
 
 struct Ctx {
@@ -80,6 +111,7 @@ struct Ctx {
 
 /// A storage-less hub client.
 pub struct EphemeralClient {
+    owner: crate::fork::Owner,
     rt: Arc<Runtime>,
     ctx: Arc<Ctx>,
     queue: Mutex<Option<mpsc::Sender<Pending>>>,
@@ -105,6 +137,7 @@ impl EphemeralClient {
             .map_err(|e| FedError::Tls(e.to_string()))?;
         let (tx, rx) = mpsc::channel(cfg.buffer_messages.max(1));
         Ok(EphemeralClient {
+            owner: crate::fork::Owner::current(),
             rt: runtime()?,
             ctx: Arc::new(Ctx {
                 cfg,
@@ -153,6 +186,19 @@ impl EphemeralClient {
     /// Dials the hub and waits up to `timeout` for the first connection.
     /// Idempotent once connected.
     pub fn connect(&self, timeout: Duration) -> Result<(), Error> {
+        self.connect_within(timeout, &mut || false)
+    }
+
+    /// [`EphemeralClient::connect`], asking `interrupted` every 100 ms while
+    /// it waits (true: stop waiting). Raises [`Error::Timeout`] when no
+    /// connection was made in time, also with auto-reconnect (which then
+    /// keeps dialing in the background).
+    pub fn connect_within(
+        &self,
+        timeout: Duration,
+        interrupted: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Error> {
+        self.owner.check("ephemeral messenger")?;
         let Some(rx) = self.rx.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             return if self.ctx.dead.load(Ordering::Acquire) {
                 Err(self.lost())
@@ -163,25 +209,34 @@ impl EphemeralClient {
         let (ready_tx, ready_rx) = oneshot::channel();
         let task = self.rt.spawn(run(self.ctx.clone(), rx, ready_tx));
         *self.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
-        let outcome = self
-            .rt
-            .block_on(async { tokio::time::timeout(timeout, ready_rx).await });
+        let outcome = wait_bounded(&self.rt, ready_rx, timeout, interrupted);
         match outcome {
-            Ok(Ok(Ok(()))) => Ok(()),
-            Ok(Ok(Err(e))) => Err(Error::ConnectionLost(format!(
+            Ok(Some(Ok(Ok(())))) => Ok(()),
+            Ok(Some(Ok(Err(e)))) => Err(Error::ConnectionLost(format!(
                 "cannot connect to hub {}: {e}",
                 self.ctx.cfg.hub.addr
             ))),
-            Ok(Err(_)) => Err(self.lost()),
-            Err(_) => {
+            Ok(Some(Err(_))) => Err(self.lost()),
+            Ok(None) | Err(()) => {
+                let why = format!(
+                    "no connection to hub {} within {:.1}s{}",
+                    self.ctx.cfg.hub.addr,
+                    timeout.as_secs_f64(),
+                    if self.ctx.cfg.auto_reconnect {
+                        " (still dialing in the background)"
+                    } else {
+                        ""
+                    }
+                );
                 if !self.ctx.cfg.auto_reconnect {
                     self.close();
+                    *self
+                        .ctx
+                        .last_error
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = why.clone();
                 }
-                Err(Error::ConnectionLost(format!(
-                    "no connection to hub {} within {:.1}s",
-                    self.ctx.cfg.hub.addr,
-                    timeout.as_secs_f64()
-                )))
+                Err(Error::Timeout(why))
             }
         }
     }
@@ -208,6 +263,23 @@ impl EphemeralClient {
     /// handshake refuses, or records its acknowledgement lists as refused,
     /// give `Error::Policy` (nothing of a refused record was stored).
     pub fn send(&self, channel: &str, ids: Vec<String>, body: Vec<u8>) -> Result<(), Error> {
+        self.send_within(channel, ids, body, ACK_TIMEOUT, &mut || false)
+    }
+
+    /// [`EphemeralClient::send`] waiting at most `timeout` for the
+    /// acknowledgement, asking `interrupted` every 100 ms (true: stop
+    /// waiting). Out of time it fails with [`Error::Timeout`]: a publish
+    /// still queued is then not sent; one already sent may still be stored
+    /// by the hub (at-least-once).
+    pub fn send_within(
+        &self,
+        channel: &str,
+        ids: Vec<String>,
+        body: Vec<u8>,
+        timeout: Duration,
+        interrupted: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Error> {
+        self.owner.check("ephemeral messenger")?;
         if self.ctx.dead.load(Ordering::Acquire) {
             return Err(self.lost());
         }
@@ -250,9 +322,9 @@ impl EphemeralClient {
             }
             Err(mpsc::error::TrySendError::Closed(_)) => return Err(self.lost()),
         }
-        match wait.blocking_recv() {
-            Ok(Ok(refused)) if refused.is_empty() => Ok(()),
-            Ok(Ok(refused)) => {
+        match wait_bounded(&self.rt, wait, timeout, interrupted) {
+            Ok(Some(Ok(Ok(refused)))) if refused.is_empty() => Ok(()),
+            Ok(Some(Ok(Ok(refused)))) => {
                 let first = &refused[0];
                 let reason = RefusalReason::parse(&first.reason);
                 Err(Error::Policy(format!(
@@ -264,16 +336,31 @@ impl EphemeralClient {
                     reason.describe()
                 )))
             }
-            Ok(Err(e)) => Err(Error::ConnectionLost(format!(
+            Ok(Some(Ok(Err(e)))) => Err(Error::ConnectionLost(format!(
                 "connection to hub {} lost before the acknowledgement: {e}",
                 self.ctx.cfg.hub.addr
             ))),
-            Err(_) => Err(self.lost()),
+            Ok(Some(Err(_))) => Err(self.lost()),
+            Ok(None) | Err(()) => Err(Error::Timeout(format!(
+                "no acknowledgement from hub {} within {:.1}s ({}); a publish not yet sent \
+                 is dropped, one already sent may still be stored by the hub",
+                self.ctx.cfg.hub.addr,
+                timeout.as_secs_f64(),
+                if self.ctx.status.connected.load(Ordering::Acquire) {
+                    "connected"
+                } else {
+                    "not connected"
+                }
+            ))),
         }
     }
 
-    /// Stops the connection; pending publishes fail. Idempotent.
+    /// Stops the connection; pending publishes fail. Idempotent. In a
+    /// forked child it does nothing (the connection is the parent's).
     pub fn close(&self) {
+        if self.owner.is_foreign() {
+            return;
+        }
         self.ctx.cancel.cancel();
         self.queue.lock().unwrap_or_else(|e| e.into_inner()).take();
         *self
@@ -293,6 +380,19 @@ impl EphemeralClient {
 
 impl Drop for EphemeralClient {
     fn drop(&mut self) {
+        if self.owner.is_foreign() {
+            // The parent's runtime and task: never waited for here.
+            std::mem::forget(self.rt.clone());
+            if let Some(t) = self
+                .task
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+            {
+                std::mem::forget(t);
+            }
+            return;
+        }
         self.close();
     }
 }
@@ -479,6 +579,7 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
                 continue;
             }
             p = rx.recv() => match p {
+                Some(p) if p.done.is_closed() => continue,
                 Some(p) => p,
                 None => break "closed".to_owned(),
             },
@@ -490,6 +591,9 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
         let mut body = first.body;
         let mut waiting = vec![(first.ids, first.done)];
         while let Ok(p) = rx.try_recv() {
+            if p.done.is_closed() {
+                continue;
+            }
             if body.len() + p.body.len() > max_bytes {
                 carried = Some(p);
                 break;

@@ -96,6 +96,10 @@ pub struct Store {
     syncer: Mutex<Option<JoinHandle<()>>>,
     /// Held (flock) while open; released by close.
     lock: Mutex<Option<File>>,
+    /// Slot of the lock descriptor in [`crate::fork`]'s list: forked
+    /// children let go of their copy at once (see [`crate::fork`]).
+    lock_slot: Option<usize>,
+    process: crate::fork::Owner,
 }
 
 fn io_err(context: String) -> impl FnOnce(io::Error) -> StorageError {
@@ -179,7 +183,9 @@ impl Store {
         Ok(Store {
             shared,
             syncer: Mutex::new(syncer),
+            lock_slot: crate::fork::register_lock_fd(lock.as_raw_fd()),
             lock: Mutex::new(Some(lock)),
+            process: crate::fork::Owner::current(),
         })
     }
 
@@ -233,8 +239,12 @@ impl Store {
     }
 
     /// Closes every writer (each syncs), stops the fsync timer and releases
-    /// the data directory lock. Idempotent.
+    /// the data directory lock. Idempotent. In a forked child it does
+    /// nothing: the files, lock and timer thread are the parent's.
     pub fn close(&self) {
+        if self.process.is_foreign() {
+            return;
+        }
         *self.shared.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
         self.shared.stop_cv.notify_all();
         if let Some(t) = self.syncer.lock().unwrap_or_else(|e| e.into_inner()).take() {
@@ -245,7 +255,11 @@ impl Store {
         }
         // Segment files still held by readers of this store close now too.
         fdpool::pool().close_owner(self.shared.owner);
-        self.lock.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let lock = self.lock.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let (Some(slot), Some(file)) = (self.lock_slot, lock.as_ref()) {
+            crate::fork::forget_lock_fd(slot, file.as_raw_fd());
+        }
+        drop(lock);
     }
 
     /// A reader of the channel directory `dir` from global offset `pos`
@@ -257,6 +271,18 @@ impl Store {
 
 impl Drop for Store {
     fn drop(&mut self) {
+        if self.process.is_foreign() {
+            // The parent's fsync timer thread: not joined, not detached here.
+            if let Some(t) = self
+                .syncer
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+            {
+                std::mem::forget(t);
+            }
+            return;
+        }
         self.close();
     }
 }

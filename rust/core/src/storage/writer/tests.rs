@@ -71,7 +71,9 @@ fn one_shot_publishers_all_finish() {
         }
         let c = w.counters();
         assert_eq!(c.records, THREADS * ROUNDS);
-        assert!(c.batches < c.records, "no batch was shared: {c:?}");
+        // Whether batches were shared here depends on scheduling (under
+        // load every append can run alone); sharing itself is asserted
+        // deterministically by the test above.
         assert_eq!(w.committed_end(), THREADS * ROUNDS * 3);
         w.close();
     }
