@@ -2,9 +2,10 @@
 # process, slow to start.
 """The PySpark integration (keyop_messenger.spark), end to end.
 
-A session-scoped ``local[2]`` SparkSession and a real hub running in another
-process (tests/spark_hub.py: it records every message its subscriber receives
-in a JSON-lines file). pyspark, pyarrow and Java 17+ are required: when one is
+A session-scoped ``local[2,2]`` SparkSession (a failed task is retried once)
+and a real hub running in another process (tests/spark_hub.py: it records
+every message its subscriber receives in a JSON-lines file). pyspark, pyarrow
+and Java 17+ are required: when one is
 missing every test here FAILS with the reason (CI installs them), nothing is
 skipped.
 
@@ -107,7 +108,7 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     work = tmp_path_factory.mktemp("spark")
     session = (
-        SparkSession.builder.master("local[2]")
+        SparkSession.builder.master("local[2,2]")  # a failed task is retried once
         .appName("keyop-messenger-tests")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.default.parallelism", "2")
@@ -569,7 +570,7 @@ def test_failing_partition_raises_on_driver(
             .save()
         )
     text = str(info.value)
-    pattern = r"keyop: partition \d \(attempt 0\) failed after committing 0 rows"
+    pattern = r"keyop: partition \d \(attempt \d\) failed after committing 0 rows"
     assert re.search(pattern, text), text
     assert "ConnectionLostError" in text and "127.0.0.1" in text, text
     assert time.monotonic() - started < 60

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import _core
@@ -189,6 +189,7 @@ class EphemeralMessenger(_SyncContext):
         service_name: str | None = None,
         correlation_id: str | None = None,
         timeout: float = PUBLISH_TIMEOUT_S,
+        ids: Sequence[str] | None = None,
     ) -> list[str]:
         """Publishes ``(payload_type, payload)`` pairs in one frame; returns
         their ids once the hub committed and acknowledged the frame.
@@ -200,11 +201,20 @@ class EphemeralMessenger(_SyncContext):
         acknowledgement, also while disconnected with ``auto_reconnect``;
         then raises :class:`KeyopTimeoutError`: a publish not yet sent is
         dropped, one already sent may still have been stored by the hub
-        (at-least-once). Ctrl-C stops the waiting."""
+        (at-least-once). Ctrl-C stops the waiting.
+
+        ``ids``: one id per item, chosen by the caller (1-64 bytes of
+        ``A-Za-z0-9-_.:``; :class:`InvalidNameError` otherwise): the hub drops
+        a record whose id it has seen recently (``dedup.seen_id_lru_size``),
+        so a batch sent again with the same ids is stored once. Default: new ids."""
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
-        send = functools.partial(self._client.publish_batch, timeout_s=timeout)
+        send = functools.partial(
+            self._client.publish_batch,
+            timeout_s=timeout,
+            ids=None if ids is None else list(ids),
+        )
         return send_batch(send, channel, pairs, service, corr, to_plain)
 
     def status(self) -> dict[str, Any]:

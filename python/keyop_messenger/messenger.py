@@ -5,11 +5,12 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import _core
@@ -201,13 +202,22 @@ class Messenger(_core.MessengerBase, _SyncContext):
         *,
         service_name: str | None = None,
         correlation_id: str | None = None,
+        ids: Sequence[str] | None = None,
     ) -> list[str]:
         """Publishes ``(payload_type, payload)`` pairs with one write and one
-        fsync: all are committed or none is. Returns their ids in order."""
+        fsync: all are committed or none is. Returns their ids in order.
+
+        ``ids``: one id per item, chosen by the caller (1-64 bytes of
+        ``A-Za-z0-9-_.:``; :class:`InvalidNameError` otherwise), e.g. derived
+        from a job so that a retried job reuses them; the messenger does not
+        deduplicate them. Default: new ids."""
         pairs = list(items)
         self._registry.check_batch(pairs)
         service, corr = resolve(service_name, correlation_id)
-        return send_batch(self._engine.publish_batch, channel, pairs, service, corr, to_plain)
+        send = self._engine.publish_batch
+        if ids is not None:
+            send = functools.partial(send, ids=list(ids))
+        return send_batch(send, channel, pairs, service, corr, to_plain)
 
     def subscribe(
         self,

@@ -58,8 +58,20 @@ Write options
 
     The save mode must be ``append`` (channels are append-only; ``overwrite`` is
     refused). A failed task fails the job: the driver raises with the partition's
-    error, which says how many rows that partition had already committed. Delivery
-    is at-least-once: a retried task publishes its chunks again.
+    error, which says how many rows that partition had already committed.
+
+    Exactly once (for a deterministic input: the same rows in the same order in
+    every attempt of a task): row ``i`` of partition ``p`` is published with the
+    message id ``<job>:<p>:<i>``, where ``<job>`` is made once per write job (on
+    the driver); every attempt of a task, retried or speculative, writes the same
+    ids. Through a hub, the hub drops a record whose id it saw recently (its
+    ``dedup.seen_id_lru_size`` most recent ids, while it runs). Into a
+    ``data_dir``, a task first reads its progress file
+    ``<data_dir>/spark-progress/<job>/<partition>.json`` (``{"rows", "offset"}``,
+    written under the directory lock before the first chunk and after each
+    committed chunk), scans the channel from that offset for ids of its job and
+    partition, and resumes after the last row found; the job's folder is removed
+    when the job commits (or, for a batch job, aborts).
 
 Row to payload
     Each row becomes a JSON object keyed by column name, nested structs as objects,
@@ -76,6 +88,12 @@ Read options
     ``data_dir`` and ``channel`` (required). ``start_offset``: ``earliest`` (default),
     ``latest`` (streaming) or a global byte offset (e.g. a value of the ``offset``
     column; an offset inside a record moves to the next record).
+    ``startingOffsets``: the same under Kafka's name (also ``-2``/``-1`` and a JSON
+    object per channel, ``{"readings": 1234}``, which must name the channel read).
+    ``endingOffsets`` (batch reads): ``latest`` (default), a byte offset or a JSON
+    object per channel; the read stops before the first record at or after it.
+    ``maxOffsetsPerTrigger`` (streaming): at most about this many bytes of offsets
+    per micro-batch (cut at the next record boundary; pyspark 4.2+).
     ``max_partition_bytes``: split a segment into input partitions of about this many
     bytes, cut at record boundaries (default 0: one partition per segment file).
     ``payload_schema``: a DDL field list (``"a INT, b STRUCT<c: STRING>"``); the
@@ -115,18 +133,33 @@ Streaming read
     messenger never deletes a segment the query still needs, also while it is
     stopped. Use an id no subscriber uses; when the query is retired, delete the
     file with ``Messenger.unsubscribe(channel, id)`` (or let
-    ``subscribers.offset_ttl`` expire it). Without it, a batch whose segments
-    retention deleted before it read them fails with ``DataLossError``.
+    ``subscribers.offset_ttl`` expire it). Without it, data that retention (or
+    anyone) deleted before a batch read it raises
+    :class:`~keyop_messenger.errors.DataLossError` (``failOnDataLoss``, default
+    true, like Spark's Kafka source); ``failOnDataLoss=false`` skips it with a
+    WARNING (the reader counts the bytes lost). ``earliest`` starts at the oldest
+    record still stored.
+
+Options are checked: an unknown or misspelled option raises, naming the valid
+ones and the closest match; a value of the wrong type raises naming the option,
+the value and the type expected.
 
 Streaming write
-    Same options as the batch write. At-least-once: a micro-batch whose tasks are
-    retried, or that is replayed after a restart, is published again. Message ids are
-    new on every attempt, but unless ``correlation_id`` or ``correlation_id_column``
-    is set, every chunk carries the deterministic correlation id
-    ``spark:<query id>:<batch id>:<partition id>:<chunk index>``, stable across task
-    retries and restarts from the checkpoint (for a deterministic input). A chunk is
-    committed all or nothing and contiguously, so a receiver drops duplicates by
-    keeping only the first run of messages with a given correlation id.
+    Same options as the batch write, and exactly once in the same way: the job of
+    a micro-batch is ``s<first 16 hex digits of the query id>.<batch id>``, the
+    same when the batch is replayed after a restart from the checkpoint. Unless
+    ``correlation_id`` or ``correlation_id_column`` is set, every chunk carries the
+    correlation id ``spark:<query id>:<batch id>:<partition id>:<chunk index>``.
+
+Counts
+    Each task's commit message (:class:`PartitionCommit`) carries the rows of its
+    partition committed (``rows``; ``skipped``: those an earlier attempt had
+    committed). The driver logs the job's total at INFO and writes it to
+    ``report_path`` (JSON: ``status``, ``rows``, ``partitions``, ...). A channel is
+    an append-only log: an aborted job cannot take back what its tasks committed;
+    its report says so in ``rows_committed_by_failed_partitions`` (from the
+    progress files for ``data_dir``; through a hub each failed task's error
+    says how many rows it committed).
 
 Executors run the publishing and reading code in forked Python workers: the
 classes here are pickled by reference and import :mod:`keyop_messenger` there;

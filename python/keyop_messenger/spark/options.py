@@ -3,15 +3,11 @@ schema, and the checks of channel and subscriber names."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-
-    pass
-
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 #: Name of the data source (``spark.read.format("keyop")``).
 SOURCE_NAME = "keyop"
@@ -39,12 +35,84 @@ DEFAULT_RETRIES = 3
 DEFAULT_LOCK_TIMEOUT_S = 300.0
 _N = TypeVar("_N", int, float)
 
+#: Options of a read (batch or streaming), as documented in the package docstring.
+READ_OPTIONS = (
+    "data_dir",
+    "channel",
+    "start_offset",
+    "max_partition_bytes",
+    "payload_schema",
+    "retain_as",
+    "failOnDataLoss",
+    "allowMissing",
+    "startingOffsets",
+    "endingOffsets",
+    "maxOffsetsPerTrigger",
+)
+#: Options of a write (batch or streaming).
+WRITE_OPTIONS = (
+    "channel",
+    "payload_type",
+    "config",
+    "data_dir",
+    "name",
+    "sync_interval_ms",
+    "segment_size_mb",
+    "compaction_threshold_mb",
+    "service_name",
+    "correlation_id",
+    "correlation_id_column",
+    "batch_size",
+    "connect_timeout_s",
+    "retries",
+    "lock_timeout_s",
+    "report_path",
+)
+#: Options Spark itself may pass along with the user's (never an error).
+#: ``path`` (``load(path)``/``save(path)``) is not one: it would be ignored.
+SPARK_OPTIONS = ("checkpointLocation",)
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
 
 class Options:
     """Typed access to the data source options (keys are case-insensitive)."""
 
     def __init__(self, options: Any) -> None:
         self._o = {str(k).lower(): str(v) for k, v in dict(options).items()}
+
+    def check_known(self, valid: Iterable[str], what: str) -> None:
+        """Raises ValueError naming every option not in ``valid`` (nor one
+        Spark adds), with the closest valid name and the list of valid ones:
+        a misspelled option must not be silently ignored."""
+        names = {n.lower(): n for n in valid}
+        allowed = set(names) | {n.lower() for n in SPARK_OPTIONS}
+        unknown = sorted(k for k in self._o if k not in allowed)
+        if not unknown:
+            return
+        problems = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+            hint = f" (did you mean {names[close[0]]!r}?)" if close else ""
+            problems.append(f"{key!r}{hint}")
+        raise ValueError(
+            f"keyop data source: unknown option{'s' if len(unknown) > 1 else ''} for a "
+            f"{what}: {', '.join(problems)}; valid options are: {', '.join(names.values())}"
+        )
+
+    def boolean(self, key: str, default: bool) -> bool:
+        """The option as a boolean (``true``/``false``, case-insensitive;
+        ``default`` when unset or empty); raises naming the option and value."""
+        text = self.get(key)
+        if text is None or text.strip() == "":
+            return default
+        value = text.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise ValueError(
+            f"keyop data source: option {key!r} must be a boolean (true or false), got {text!r}"
+        )
 
     def get(self, key: str, default: str | None = None) -> str | None:
         """The option's value, or ``default`` when it is not set."""
@@ -67,17 +135,6 @@ class Options:
         """The option as an integer >= ``minimum`` (``default`` when not set); ``ValueError``
         otherwise."""
         return self._parsed(key, default, int, "an integer", minimum)
-
-    def boolean(self, key: str, default: bool) -> bool:
-        """``true`` / ``false`` (any case; ``default`` when unset or empty)."""
-        text = (self.get(key) or "").strip().lower()
-        if text == "":
-            return default
-        if text not in ("true", "false"):
-            raise ValueError(
-                f"keyop data source: option {key!r} must be 'true' or 'false', got {text!r}"
-            )
-        return text == "true"
 
     def _parsed(
         self, key: str, default: _N, parse: Callable[[str], _N], kind: str, minimum: _N

@@ -23,7 +23,13 @@ from pyspark.sql.types import (
 )
 
 from .mapping import json_to_spark
-from .options import ENVELOPE_COLUMNS, Options, check_channel, check_subscriber_id
+from .options import (
+    ENVELOPE_COLUMNS,
+    READ_OPTIONS,
+    Options,
+    check_channel,
+    check_subscriber_id,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
@@ -210,26 +216,33 @@ class ReadSpec:
     max_partition_bytes: int
     schema: StructType
     retain_as: str | None = None
+    fail_on_data_loss: bool = True
     allow_missing: bool = False
+    ending_offset: str = "latest"
+    max_offsets_per_trigger: int = 0
 
     @classmethod
     def from_options(cls, options: Any, schema: StructType) -> ReadSpec:
         """Checks the read options and the schema; ``ValueError`` names the first problem."""
         o = Options(options)
+        o.check_known(READ_OPTIONS, "read")
         # Absolute, resolved on the driver: executors may run in another directory.
         data_dir = os.path.abspath(o.required("data_dir", "the data directory to read"))
         channel = o.required("channel", "the channel to read")
-        start = (o.get("start_offset") or "earliest").strip().lower()
-        if start not in ("earliest", "latest"):
-            try:
-                if int(start) < 0:
-                    raise ValueError
-            except ValueError:
-                raise ValueError(
-                    "keyop data source: option 'start_offset' must be 'earliest', 'latest' "
-                    f"or a byte offset >= 0, got {start!r}"
-                ) from None
         check_channel(channel, publish=False)
+        if o.get("start_offset") and o.get("startingOffsets"):
+            raise ValueError(
+                "keyop data source: give one of the options 'start_offset' and "
+                "'startingOffsets' (the same thing, Kafka's name)"
+            )
+        key = "startingOffsets" if o.get("startingOffsets") else "start_offset"
+        start = _offset_option(o, key, channel, "earliest")
+        ending = _offset_option(o, "endingOffsets", channel, "latest")
+        if ending == "earliest":
+            raise ValueError(
+                "keyop data source: option 'endingOffsets' must be 'latest', a byte offset "
+                "or a JSON object of them per channel, got 'earliest'"
+            )
         _check_read_schema(schema)
         retain_as = o.get("retain_as") or None
         if retain_as is not None:
@@ -241,27 +254,23 @@ class ReadSpec:
             o.integer("max_partition_bytes", 0),
             schema,
             retain_as,
+            o.boolean("failOnDataLoss", True),
             o.boolean("allowMissing", False),
+            ending,
+            o.integer("maxOffsetsPerTrigger", 0),
         )
+
+    def exists(self) -> bool:
+        """Whether the channel exists: raises :class:`DataDirNotFoundError` or
+        :class:`ChannelNotFoundError` when the data directory or the channel
+        is missing, unless ``allowMissing`` (then False: read nothing)."""
+        return check_exists(self.data_dir, self.channel, allow_missing=self.allow_missing)
 
     def check_exists(self) -> None:
         """Raises :class:`DataDirNotFoundError` / :class:`ChannelNotFoundError`
-        unless the data directory and channel exist or ``allowMissing`` is set."""
-        from ..errors import ChannelNotFoundError, DataDirNotFoundError
-
-        if self.allow_missing:
-            return
-        if not os.path.isdir(self.data_dir):
-            raise DataDirNotFoundError(
-                f"keyop data source: data directory {self.data_dir} does not exist "
-                "(set the option allowMissing=true to read it as empty)"
-            )
-        if not _channel_dir(self.data_dir, self.channel).is_dir():
-            raise ChannelNotFoundError(
-                f"keyop data source: channel {self.channel!r} does not exist in data "
-                f"directory {self.data_dir} (set the option allowMissing=true to read it "
-                "as empty)"
-            )
+        unless the data directory and channel exist or ``allowMissing`` is set
+        (the planning step's check)."""
+        self.exists()
 
     def start(self) -> int:
         """The offset the read starts at (``earliest``, ``latest`` or a byte offset moved to the
@@ -272,19 +281,40 @@ class ReadSpec:
             return stream_end(self.data_dir, self.channel)
         return align_offset(self.data_dir, self.channel, int(self.start_offset))
 
+    def end(self) -> int:
+        """The offset a batch read ends at (``endingOffsets``: the committed end,
+        or a byte offset moved to the next record and capped at the end)."""
+        end = stream_end(self.data_dir, self.channel)
+        if self.ending_offset == "latest":
+            return end
+        return min(end, align_offset(self.data_dir, self.channel, int(self.ending_offset)))
+
     def partitions(self, start: int, end: int) -> list[KeyopPartition]:
         """The input partitions covering the byte range ``[start, end)``, cut between records."""
         return plan_partitions(self.data_dir, self.channel, start, end, self.max_partition_bytes)
 
     def read(self, partition: KeyopPartition) -> Iterator[pa.RecordBatch]:
-        """The records of ``partition`` as Arrow batches of the read schema."""
-        return _read_partition(self.data_dir, self.channel, partition, self.schema)
+        """The records of ``partition`` as Arrow batches of the read schema
+        (``failOnDataLoss=false``: bytes gone from inside it are skipped)."""
+        return _read_partition(
+            self.data_dir,
+            self.channel,
+            partition,
+            self.schema,
+            skip_gaps=not self.fail_on_data_loss,
+        )
 
 
 def _read_partition(
-    data_dir: str, channel: str, partition: KeyopPartition, schema: StructType
+    data_dir: str,
+    channel: str,
+    partition: KeyopPartition,
+    schema: StructType,
+    *,
+    skip_gaps: bool = False,
 ) -> Iterator[pa.RecordBatch]:
-    """Yields the records of ``partition`` as Arrow batches of ``schema``."""
+    """Yields the records of ``partition`` as Arrow batches of ``schema``; a gap
+    raises :class:`DataLossError` unless ``skip_gaps``."""
     import pyarrow as pa
 
     from .. import _core
@@ -302,7 +332,9 @@ def _read_partition(
         else parse
     )
     types = [arrow_schema.field(i).type for i in range(len(arrow_schema))]
-    records: Iterator[Any] = _core.read_channel(data_dir, channel, partition.start)
+    records: Iterator[Any] = _core.read_channel(
+        data_dir, channel, partition.start, skip_gaps=skip_gaps
+    )
     while True:
         chunk = list(itertools.islice(records, _ARROW_BATCH_ROWS))
         if chunk and chunk[-1][0] >= partition.end:
@@ -330,11 +362,69 @@ def _read_partition(
         yield pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
 
 
+def _offset_option(o: Options, key: str, channel: str, default: str) -> str:
+    """An offset option: ``earliest``, ``latest``, a byte offset >= 0, or (as
+    Spark's Kafka source takes them) a JSON object of those per channel, which
+    must name the channel read (and no other); returned as text."""
+    text = (o.get(key) or default).strip()
+    value: Any = text
+    if text.startswith("{"):
+        try:
+            per_channel = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(
+                f"keyop data source: option {key!r} is not valid JSON ({exc}): {text!r}"
+            ) from None
+        if not isinstance(per_channel, dict) or set(per_channel) != {channel}:
+            raise ValueError(
+                f"keyop data source: option {key!r} must name exactly the channel read "
+                f"({channel!r}), got {text!r}"
+            )
+        value = per_channel[channel]
+    value = str(value).strip().lower()
+    if value in ("earliest", "latest"):
+        return value
+    if value == "-2":  # Kafka's numeric names
+        return "earliest"
+    if value == "-1":
+        return "latest"
+    if not value.isdigit():
+        raise ValueError(
+            f"keyop data source: option {key!r} must be 'earliest', 'latest', a byte "
+            f"offset >= 0 or a JSON object of them per channel, got {text!r}"
+        )
+    return str(int(value))
+
+
+def check_exists(data_dir: str, channel: str, *, allow_missing: bool) -> bool:
+    """True if ``channel`` exists in ``data_dir``. A missing data directory
+    raises :class:`DataDirNotFoundError`, a missing channel
+    :class:`ChannelNotFoundError` (a misspelled path must not read as an
+    empty channel); with ``allow_missing`` both return False instead."""
+    from ..errors import ChannelNotFoundError, DataDirNotFoundError
+
+    if not os.path.isdir(data_dir):
+        if allow_missing:
+            return False
+        raise DataDirNotFoundError(
+            f"keyop data source: data directory {data_dir!r} does not exist; check the "
+            "option 'data_dir' (or set allowMissing=true to read it as empty)"
+        )
+    if not _channel_dir(data_dir, channel).is_dir():
+        if allow_missing:
+            return False
+        raise ChannelNotFoundError(
+            f"keyop data source: channel {channel!r} does not exist in {data_dir!r}; check "
+            "the option 'channel' (or set allowMissing=true to read it as empty)"
+        )
+    return True
+
+
 class BatchReader(DataSourceReader):
     """Batch read of a channel: everything committed when the read was planned."""
     def __init__(self, spec: ReadSpec) -> None:
         self.spec = spec
-        self.end = stream_end(spec.data_dir, spec.channel)
+        self.end = spec.end() if spec.exists() else 0
 
     def partitions(self) -> Sequence[InputPartition]:
         """One input partition per segment file (split further by ``max_partition_bytes``)."""

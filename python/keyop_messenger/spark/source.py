@@ -53,12 +53,21 @@ class KeyopDataSource(DataSource):
         spec = ReadSpec.from_options(self.options, schema)
         if spec.retain_as is not None:
             raise ValueError("keyop data source: option 'retain_as' applies to streaming reads")
+        if spec.max_offsets_per_trigger:
+            raise ValueError(
+                "keyop data source: option 'maxOffsetsPerTrigger' applies to streaming reads"
+            )
         spec.check_exists()
         return BatchReader(spec)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         """A streaming reader following the channel."""
         spec = ReadSpec.from_options(self.options, schema)
+        if spec.ending_offset != "latest":
+            raise ValueError(
+                "keyop data source: option 'endingOffsets' applies to batch reads (a stream "
+                "follows the channel)"
+            )
         spec.check_exists()
         return StreamReader(spec)
 

@@ -1,3 +1,5 @@
+# why this file is long: one write path (targets, exactly-once ids and resume, chunked
+# publishing, commit reports) shared by batch, streaming and publish_partitions.
 """Writing: options of a write, where a task publishes (hub or data directory),
 publishing a partition in chunks, commit reports, the batch writer and
 :func:`publish_partitions`."""
@@ -5,11 +7,14 @@ publishing a partition in chunks, commit reports, the batch writer and
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
+import shutil
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +34,7 @@ from .options import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_LOCK_TIMEOUT_S,
     DEFAULT_RETRIES,
+    WRITE_OPTIONS,
     Options,
     check_channel,
 )
@@ -55,7 +61,12 @@ class PartitionCommit(WriterCommitMessage):
     last_id: str | None = None
     batch_id: int | None = None
     resent: int = 0
-    """Chunks sent again after a lost connection (each may be stored twice)."""
+    """Chunks sent again after a lost connection (the hub drops the copies by id)."""
+    job: str | None = None
+    """The write job id (message ids are ``<job>:<partition>:<row index>``)."""
+    skipped: int = 0
+    """Rows an earlier attempt of this task had committed (found in the data
+    directory and not written again); included in ``rows``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +95,7 @@ class WriteSpec:
         from ..config import load_config
 
         o = Options(options)
+        o.check_known(WRITE_OPTIONS, "write")
         channel = o.required("channel", "the channel to publish to")
         check_channel(channel, publish=True)
         payload_type = o.get("payload_type")
@@ -165,8 +177,17 @@ class _Target:
         items: list[tuple[str, Any]],
         service_name: str | None,
         correlation_id: str | None,
+        ids: list[str],
     ) -> list[str]:
         raise NotImplementedError
+
+    def resume(self, channel: str, prefix: str) -> int:
+        """Rows of the task whose ids start with ``prefix`` already committed
+        by an earlier attempt (0 when the target cannot tell)."""
+        return 0
+
+    def committed(self, channel: str, prefix: str, rows: int) -> None:
+        """Called after each committed chunk: ``rows`` rows of the task are in."""
 
     def close(self) -> None:
         raise NotImplementedError
@@ -220,6 +241,7 @@ class _HubTarget(_Target):
         items: list[tuple[str, Any]],
         service_name: str | None,
         correlation_id: str | None,
+        ids: list[str],
     ) -> list[str]:
         sent = [False]
 
@@ -229,7 +251,11 @@ class _HubTarget(_Target):
             sent[0] = True
             return list(
                 self.client.publish_batch(
-                    channel, items, service_name=service_name, correlation_id=correlation_id
+                    channel,
+                    items,
+                    service_name=service_name,
+                    correlation_id=correlation_id,
+                    ids=ids,
                 )
             )
 
@@ -250,6 +276,7 @@ class _DirTarget(_Target):
         from ..errors import DataDirLockedError
         from ..messenger import Messenger
 
+        self.data_dir = data_dir
         config = Config.from_dict({"name": name, "storage": {"data_dir": data_dir, **storage}})
         deadline = time.monotonic() + lock_timeout_s
         delay = 0.02
@@ -273,10 +300,61 @@ class _DirTarget(_Target):
         items: list[tuple[str, Any]],
         service_name: str | None,
         correlation_id: str | None,
+        ids: list[str],
     ) -> list[str]:
         return self.messenger.publish_batch(
-            channel, items, service_name=service_name, correlation_id=correlation_id
+            channel, items, service_name=service_name, correlation_id=correlation_id, ids=ids
         )
+
+    # Progress of a task: ``<data_dir>/spark-progress/<job>/<partition>.json``,
+    # ``{"rows": n, "offset": o}``: ``n`` rows were committed and every later
+    # record of the task is at or after the global offset ``o``. Written under
+    # the directory lock before the first chunk and after each chunk; the job's
+    # folder is removed when the job commits.
+    def _progress_path(self, prefix: str) -> str:
+        job, partition = prefix.rstrip(":").rsplit(":", 1)
+        return os.path.join(self.data_dir, PROGRESS_DIR, job, f"{partition}.json")
+
+    def resume(self, channel: str, prefix: str) -> int:
+        from .. import _core
+        from .reader import stream_end
+
+        path = self._progress_path(prefix)
+        try:
+            with open(path, encoding="utf-8") as f:
+                progress = json.load(f)
+            rows, offset = int(progress["rows"]), int(progress["offset"])
+        except FileNotFoundError:
+            # First attempt (or an attempt that died before its first chunk):
+            # nothing of the task is before the current end.
+            rows, offset = 0, stream_end(self.data_dir, channel)
+            self._write_progress(path, rows, offset)
+            return 0
+        if not os.path.isdir(os.path.join(self.data_dir, "channels", channel)):
+            return rows
+        # Chunks committed after the last progress write: their ids say which rows.
+        for record in _core.read_channel(self.data_dir, channel, offset, skip_gaps=True):
+            rid = record[2]
+            if rid.startswith(prefix):
+                rows = max(rows, int(rid[len(prefix) :]) + 1)
+        return rows
+
+    def committed(self, channel: str, prefix: str, rows: int) -> None:
+        from .reader import stream_end
+
+        self._write_progress(
+            self._progress_path(prefix), rows, stream_end(self.data_dir, channel)
+        )
+
+    @staticmethod
+    def _write_progress(path: str, rows: int, offset: int) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"rows": rows, "offset": offset}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def close(self) -> None:
         self.messenger.close()
@@ -287,21 +365,40 @@ class PartitionError(RuntimeError):
 
 
 def _chunks(
-    payloads: Iterable[dict[str, Any]], size: int, column: str | None
-) -> Iterator[tuple[list[dict[str, Any]], str | None]]:
+    payloads: Iterable[dict[str, Any]], size: int, column: str | None, skip: int
+) -> Iterator[tuple[int, list[dict[str, Any]], str | None]]:
     """Splits ``payloads`` into runs of at most ``size`` rows that share the
-    correlation id in ``column`` (one run if ``column`` is None)."""
+    correlation id in ``column`` (one run if ``column`` is None), leaving out
+    the first ``skip`` rows; yields (index of the run's first row, rows, id)."""
     chunk: list[dict[str, Any]] = []
     key: str | None = None
-    for p in payloads:
+    first = skip
+    for p in itertools.islice(payloads, skip, None):
         k = p.get(column) if column is not None else None
         if chunk and (len(chunk) >= size or k != key):
-            yield chunk, key
+            yield first, chunk, key
+            first += len(chunk)
             chunk = []
         key = k
         chunk.append(p)
     if chunk:
-        yield chunk, key
+        yield first, chunk, key
+
+
+#: Folder of a data directory where data_dir writes keep their progress.
+PROGRESS_DIR = "spark-progress"
+
+
+def new_job_id() -> str:
+    """A new write job id: ``b`` and 16 hex digits (made once per job, on the driver)."""
+    return "b" + uuid.uuid4().hex[:16]
+
+
+def row_id_prefix(job: str, partition: int) -> str:
+    """The prefix of the message ids of one task: ``<job>:<partition>:``; a
+    row's id is the prefix and its index in the partition. Valid ids per
+    envelope.rs (``A-Za-z0-9-_.:``, at most 64 bytes)."""
+    return f"{job}:{partition}:"
 
 
 def _task_info() -> tuple[int, int, int | None, str | None]:
@@ -322,35 +419,65 @@ def _task_info() -> tuple[int, int, int | None, str | None]:
     )
 
 
-def publish_payloads(spec: WriteSpec, payloads: Iterable[dict[str, Any]]) -> PartitionCommit:
+def publish_payloads(
+    spec: WriteSpec, payloads: Iterable[dict[str, Any]], job: str | None = None
+) -> PartitionCommit:
     """Publishes ``payloads`` (this task's rows) as ``spec`` says; returns the
     task's commit message. Opens the target lazily: an empty partition
-    connects to nothing."""
+    connects to nothing.
+
+    Exactly once for a deterministic input: row ``i`` of partition ``p`` gets
+    the id ``<job>:<p>:<i>``, the same on every attempt of the task (``job``
+    is made once per write job; a streaming micro-batch's is derived from the
+    query id and the batch id, so a replay after a restart reuses it). A hub
+    drops records whose ids it saw recently; a data directory write resumes
+    after the rows an earlier attempt committed (see :class:`_DirTarget`)."""
     partition, attempt, batch_id, query_id = _task_info()
-    commit = PartitionCommit(partition, attempt, 0, 0, batch_id=batch_id)
+    if job is None:
+        qid = (query_id or "query").replace("-", "")[:16]
+        job = f"s{qid}.{batch_id}" if batch_id is not None else new_job_id()
+    prefix = row_id_prefix(job, partition)
+    commit = PartitionCommit(partition, attempt, 0, 0, batch_id=batch_id, job=job)
     target: _Target | None = None
     auto_corr = (
         spec.streaming and spec.correlation_id is None and spec.correlation_id_column is None
     )
+    rows = iter(payloads)
     try:
-        for index, (chunk, key) in enumerate(
-            _chunks(payloads, spec.batch_size, spec.correlation_id_column)
+        head = list(itertools.islice(rows, 1))
+        if head:
+            target = spec.target()
+            commit.skipped = target.resume(spec.channel, prefix)
+            commit.rows = commit.skipped
+            if commit.skipped:
+                log.info(
+                    "keyop: partition %d (attempt %d) resumes after %d rows an earlier "
+                    "attempt committed",
+                    partition,
+                    attempt,
+                    commit.skipped,
+                )
+        for first, chunk, key in _chunks(
+            itertools.chain(head, rows), spec.batch_size, spec.correlation_id_column,
+            commit.skipped,
         ):
-            if target is None:
-                target = spec.target()
+            assert target is not None
             if spec.correlation_id_column is not None:
                 corr = key
             elif auto_corr:
+                index = first // spec.batch_size
                 corr = f"spark:{query_id or 'query'}:{batch_id}:{partition}:{index}"
             else:
                 corr = spec.correlation_id
             items = [(spec.payload_type, p) for p in chunk]
-            ids = target.publish_batch(spec.channel, items, spec.service_name, corr)
+            wanted = [f"{prefix}{first + i}" for i in range(len(chunk))]
+            ids = target.publish_batch(spec.channel, items, spec.service_name, corr, wanted)
             if ids:
                 commit.first_id = commit.first_id or ids[0]
                 commit.last_id = ids[-1]
             commit.rows += len(ids)
             commit.batches += 1
+            target.committed(spec.channel, prefix, first + len(chunk))
     except Exception as exc:
         where = "" if batch_id is None else f" of micro-batch {batch_id}"
         raise PartitionError(
@@ -365,71 +492,130 @@ def publish_payloads(spec: WriteSpec, payloads: Iterable[dict[str, Any]]) -> Par
     return commit
 
 
+def _progress_rows(data_dir: str, job: str, skip: set[int]) -> dict[int, int]:
+    """Rows committed per partition of ``job`` according to its progress
+    files (partitions in ``skip`` left out)."""
+    folder = os.path.join(data_dir, PROGRESS_DIR, job)
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return found
+    for name in names:
+        stem, ext = os.path.splitext(name)
+        if ext != ".json" or not stem.isdigit() or int(stem) in skip:
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                found[int(stem)] = int(json.load(f)["rows"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
+
+
 def report(
     spec: WriteSpec,
     messages: Sequence[WriterCommitMessage | None],
     *,
     aborted: bool,
     batch_id: int | None = None,
-) -> None:
-    """Logs the rows the tasks committed and, with ``report_path``, writes them there as JSON."""
+    job: str | None = None,
+) -> dict[str, Any]:
+    """The job's counts, logged at INFO and written to ``report_path``; returns them.
+
+    ``rows``: rows the finished tasks committed (for a committed job, every
+    row of the DataFrame). A channel is an append-only log: an aborted job
+    cannot take back what its tasks committed, so its report also counts, in
+    ``rows_committed_by_failed_partitions``, what the failed tasks had
+    committed (known for ``data_dir`` writes from their progress files; None
+    through a hub, where each failed task's error says it). A retried job
+    writes the same message ids again, so a hub drops those rows and a
+    ``data_dir`` write resumes after them (when the job is replayed, as a
+    streaming micro-batch is after a restart)."""
     done = [m for m in messages if isinstance(m, PartitionCommit)]
     total = sum(m.rows for m in done)
+    jobs = {m.job for m in done if m.job is not None} | ({job} if job else set())
+    partial: int | None = None
+    if spec.data_dir is not None:
+        finished = {m.partition_id for m in done}
+        partial = sum(
+            n for j in jobs for n in _progress_rows(spec.data_dir, j, finished).values()
+        )
+        # A streaming micro-batch that aborts may be replayed with the same job:
+        # its progress stays; every other job's goes.
+        if not (aborted and batch_id is not None):
+            for j in jobs:
+                shutil.rmtree(os.path.join(spec.data_dir, PROGRESS_DIR, j), ignore_errors=True)
+    status = "aborted" if aborted else "committed"
     log.info(
-        "keyop write to %r %s: %d rows from %d of %d partitions",
+        "keyop write to %r %s: %d rows from %d of %d partitions%s",
         spec.channel,
-        "aborted" if aborted else "committed",
+        status,
         total,
         len(done),
         len(messages),
+        f" ({partial} more rows committed by the failed partitions stay in the channel)"
+        if aborted and partial
+        else (" (rows the failed partitions committed stay in the channel)" if aborted else ""),
     )
-    if spec.report_path is None:
-        return
-    report = {
+    counts: dict[str, Any] = {
         "channel": spec.channel,
-        "status": "aborted" if aborted else "committed",
+        "status": status,
         "batch_id": batch_id,
         "rows": total,
+        "rows_committed_by_failed_partitions": partial if aborted else 0,
         "partitions": [dataclasses.asdict(m) for m in done],
         "failed_partitions": len(messages) - len(done),
     }
+    if spec.report_path is None:
+        return counts
     path = spec.report_path
     if batch_id is not None and "{batch_id}" in path:
         path = path.replace("{batch_id}", str(batch_id))
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+        json.dump(counts, f, indent=1)
     os.replace(tmp, path)
+    return counts
 
 
-def publish_arrow(spec: WriteSpec, batches: Iterable[pa.RecordBatch]) -> PartitionCommit:
+def publish_arrow(
+    spec: WriteSpec, batches: Iterable[pa.RecordBatch], job: str | None = None
+) -> PartitionCommit:
     """Publishes this task's Arrow batches, one payload per row."""
     encoder = spec.encoder
-    return publish_payloads(spec, (p for batch in batches for p in encoder.from_arrow(batch)))
+    return publish_payloads(
+        spec, (p for batch in batches for p in encoder.from_arrow(batch)), job
+    )
 
 
-def publish_rows(spec: WriteSpec, rows: Iterable[Row]) -> PartitionCommit:
+def publish_rows(spec: WriteSpec, rows: Iterable[Row], job: str | None = None) -> PartitionCommit:
     """Publishes this task's Rows, one payload per row."""
     encoder = spec.encoder
-    return publish_payloads(spec, (encoder.from_row(r) for r in rows))
+    return publish_payloads(spec, (encoder.from_row(r) for r in rows), job)
 
 
 class BatchWriter(DataSourceArrowWriter):
-    """Batch write: each task publishes its rows through one ephemeral client (or the data dir)."""
+    """The batch writer. Made on the driver once per write job, which gives
+    the job its id (:func:`new_job_id`): every attempt of a task writes the
+    same message ids, so the write is exactly once (see
+    :func:`publish_payloads`)."""
+
     def __init__(self, spec: WriteSpec) -> None:
         self.spec = spec
+        self.job = new_job_id()
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionCommit:
         """Publishes this task's rows; returns what it committed."""
-        return publish_arrow(self.spec, iterator)
+        return publish_arrow(self.spec, iterator, self.job)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         """Logs (and writes to ``report_path``) what the tasks committed."""
-        report(self.spec, messages, aborted=False)
+        report(self.spec, messages, aborted=False, job=self.job)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         """Logs (and writes to ``report_path``) what the tasks of a failed job committed."""
-        report(self.spec, messages, aborted=True)
+        report(self.spec, messages, aborted=True, job=self.job)
 
 
 # ---------------------------------------------------------------------------
@@ -455,7 +641,9 @@ def publish_partitions(
     ``batch_size`` rows (payload = the row as a JSON object, as with the data
     source). Returns the number of rows published (counted with an
     accumulator, so classic PySpark only, not Spark Connect). Raises if a
-    partition fails (rows committed before the failure stay published)."""
+    partition fails (rows committed before the failure stay published).
+    Message ids are ``<job>:<partition>:<row index>`` with one job id per call,
+    so the hub drops the rows a retried task sends again."""
     from ..config import load_config
 
     check_channel(channel, publish=True)
@@ -483,18 +671,20 @@ def publish_partitions(
         streaming=False,
     )
     counter = df.sparkSession.sparkContext.accumulator(0)
-    # Only picklable values are captured: the spec (dataclasses) and the accumulator.
-    df.foreachPartition(_PartitionPublisher(spec, counter))
+    # Only picklable values are captured: the spec (dataclasses), the job id and
+    # the accumulator (Spark counts a retried task's updates once).
+    df.foreachPartition(_PartitionPublisher(spec, counter, new_job_id()))
     return int(counter.value)
 
 
 class _PartitionPublisher:
     """The picklable function ``publish_partitions`` runs on every partition."""
 
-    def __init__(self, spec: WriteSpec, counter: Any) -> None:
+    def __init__(self, spec: WriteSpec, counter: Any, job: str) -> None:
         self.spec = spec
         self.counter = counter
+        self.job = job
 
     def __call__(self, rows: Iterable[Row]) -> None:
-        commit = publish_rows(self.spec, rows)
+        commit = publish_rows(self.spec, rows, self.job)
         self.counter.add(commit.rows)

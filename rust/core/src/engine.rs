@@ -1,3 +1,5 @@
+// why this file is long: the Engine facade (publish with or without caller-given ids,
+// read, subscribe, stats, federation), each entry point short; splitting it scatters the API.
 //! The messenger engine: a data directory plus an instance name, publishing
 //! envelopes through the channel writers.
 //! why this file is long: it is the engine's whole public surface, each a short
@@ -161,15 +163,37 @@ impl Engine {
         channel: &str,
         items: &[Outgoing<'_>],
     ) -> Result<Vec<Published>, Error> {
+        self.publish_batch_with_ids(channel, items, None)
+    }
+
+    /// [`Engine::publish_batch`] with the ids given by the caller, one per
+    /// item (`None`: new ids). The engine does not deduplicate them.
+    pub fn publish_batch_with_ids(
+        &self,
+        channel: &str,
+        items: &[Outgoing<'_>],
+        given: Option<&[String]>,
+    ) -> Result<Vec<Published>, Error> {
         let writer = self.publish_writer(channel)?;
         if items.is_empty() {
             return Ok(Vec::new());
         }
+        if let Some(given) = given {
+            if given.len() != items.len() {
+                return Err(Error::InvalidRecord(envelope::RecordError::Field {
+                    field: "id",
+                    value: format!("{} ids", given.len()),
+                    reason: format!("one id per message is needed ({} messages)", items.len()),
+                }));
+            }
+        }
         let mut buf = Vec::with_capacity(items.iter().map(|m| 200 + m.payload_json.len()).sum());
         let mut ids = Vec::with_capacity(items.len());
-        for m in items {
+        for (i, m) in items.iter().enumerate() {
             let start = buf.len();
-            ids.push((self.encode(&mut buf, channel, m)?, start as u64));
+            let id = given.map(|g| g[i].as_str());
+            let id = encode_message_with_id(&mut buf, &self.origin, channel, m, id)?;
+            ids.push((id, start as u64));
         }
         let started = Instant::now();
         let at = writer.append(&buf, items.len() as u64)?;
@@ -657,10 +681,25 @@ pub fn encode_message(
     channel: &str,
     m: &Outgoing<'_>,
 ) -> Result<String, Error> {
+    encode_message_with_id(out, origin, channel, m, None)
+}
+
+/// [`encode_message`] with the id given by the caller (`None`: a new one).
+/// A caller-given id must be valid (envelope.rs) and should be unique: ids
+/// derived deterministically from a job let a hub's deduplication drop a
+/// record sent twice.
+pub fn encode_message_with_id(
+    out: &mut Vec<u8>,
+    origin: &str,
+    channel: &str,
+    m: &Outgoing<'_>,
+    id: Option<&str>,
+) -> Result<String, Error> {
     let stamp = Stamp::now();
+    let id = id.unwrap_or(stamp.id());
     let before = out.len();
     let header = Header {
-        id: stamp.id(),
+        id,
         ts: stamp.ts(),
         channel,
         origin,
@@ -680,7 +719,7 @@ pub fn encode_message(
             limit: MAX_RECORD_BYTES,
         });
     }
-    Ok(stamp.id().to_owned())
+    Ok(id.to_owned())
 }
 
 /// Per-channel figures of any data directory, read from its files only: no

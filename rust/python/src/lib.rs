@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use keyop_core::engine::encode_message;
+use keyop_core::engine::encode_message_with_id;
 use keyop_core::federation::ephemeral::{EphemeralClient as EphemeralCore, EphemeralConfig};
 use keyop_core::storage::{ChannelWriter, FaultPoint, Item, LogReader};
 use keyop_core::{
@@ -323,8 +323,10 @@ impl PyEngine {
     }
 
     /// Publishes `(payload_type, payload)` pairs with one write and one
-    /// fsync, all or none; returns their ids in order.
-    #[pyo3(signature = (channel, items, service_name = None, correlation_id = None, default = None))]
+    /// fsync, all or none; returns their ids in order. `ids`: one valid id
+    /// per item, given by the caller (default: new ids).
+    #[pyo3(signature = (channel, items, service_name = None, correlation_id = None, default = None, ids = None))]
+    #[allow(clippy::too_many_arguments)]
     fn publish_batch(
         &self,
         py: Python<'_>,
@@ -333,6 +335,7 @@ impl PyEngine {
         service_name: Option<&str>,
         correlation_id: Option<&str>,
         default: Option<&Bound<'_, PyAny>>,
+        ids: Option<Vec<String>>,
     ) -> PyResult<Vec<String>> {
         let encoded = encode_items(py, items, default)?;
         let msgs: Vec<Outgoing<'_>> = encoded
@@ -345,7 +348,10 @@ impl PyEngine {
             })
             .collect();
         let published = py
-            .detach(|| self.engine.publish_batch(channel, &msgs))
+            .detach(|| {
+                self.engine
+                    .publish_batch_with_ids(channel, &msgs, ids.as_deref())
+            })
             .py_err(py)?;
         Ok(published.into_iter().map(|p| p.id).collect())
     }
@@ -1070,8 +1076,10 @@ impl EphemeralClient {
     /// Publishes `(payload_type, payload)` items in one frame; returns their
     /// ids once the hub acknowledged (after committing) the frame. Waits at
     /// most `timeout_s` (default 60 s) for that (KeyopTimeoutError after
-    /// it); Ctrl-C stops the waiting.
-    #[pyo3(signature = (channel, items, service_name = None, correlation_id = None, default = None, timeout_s = None))]
+    /// it); Ctrl-C stops the waiting. `ids`: one valid id per item, given by
+    /// the caller (default: new ids); the hub drops a record whose id it has
+    /// recently seen.
+    #[pyo3(signature = (channel, items, service_name = None, correlation_id = None, default = None, timeout_s = None, ids = None))]
     #[allow(clippy::too_many_arguments)]
     fn publish_batch(
         &self,
@@ -1082,16 +1090,31 @@ impl EphemeralClient {
         correlation_id: Option<&str>,
         default: Option<&Bound<'_, PyAny>>,
         timeout_s: Option<f64>,
+        ids: Option<Vec<String>>,
     ) -> PyResult<Vec<String>> {
         let timeout = timeout_or(timeout_s, keyop_core::federation::ACK_TIMEOUT)?;
         keyop_core::envelope::validate_name(keyop_core::NameKind::PublishChannel, channel)
             .map_err(keyop_core::Error::from)
             .py_err(py)?;
         let encoded = encode_items(py, items, default)?;
+        let given = ids;
+        if let Some(g) = &given {
+            if g.len() != encoded.len() {
+                return Err(new_err(
+                    py,
+                    Kind::InvalidName,
+                    format!(
+                        "publish_batch: {} ids given for {} items (one id per item)",
+                        g.len(),
+                        encoded.len()
+                    ),
+                ));
+            }
+        }
         let mut body = Vec::new();
         let mut ids = Vec::with_capacity(encoded.len());
         let mut line = Vec::with_capacity(256);
-        for (payload_type, json) in &encoded {
+        for (i, (payload_type, json)) in encoded.iter().enumerate() {
             line.clear();
             let m = Outgoing {
                 payload_type,
@@ -1099,7 +1122,8 @@ impl EphemeralClient {
                 service_name,
                 correlation_id,
             };
-            ids.push(encode_message(&mut line, &self.origin, channel, &m).py_err(py)?);
+            let id = given.as_ref().map(|g| g[i].as_str());
+            ids.push(encode_message_with_id(&mut line, &self.origin, channel, &m, id).py_err(py)?);
             keyop_core::federation::wire::push_record(&mut body, &line[..line.len() - 1]);
         }
         if ids.is_empty() {
