@@ -74,6 +74,8 @@ from .message import Message
 from .positions import Position
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from .ephemeral import EphemeralMessenger
     from .messenger import Messenger
     from .stats import Stats
@@ -92,7 +94,6 @@ log = logging.getLogger("keyop_messenger")
 
 T = TypeVar("T")
 S = TypeVar("S")
-C = TypeVar("C", bound="_AsyncContext")
 
 #: Threads of the pool each async messenger owns for its blocking calls.
 DEFAULT_WORKERS = 8
@@ -206,7 +207,7 @@ class _AsyncContext:
     async def close(self) -> None:
         raise NotImplementedError
 
-    async def __aenter__(self: C) -> C:
+    async def __aenter__(self) -> Self:
         await self._enter()
         return self
 
