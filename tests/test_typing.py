@@ -23,3 +23,13 @@ def test_docs_and_context_managers_pass_strict_type_checkers() -> None:
     )
     assert done.returncode == 0, f"type check failed:\n{done.stdout}\n{done.stderr}"
     assert "basedpyright --strict" in done.stdout and "mypy --strict" in done.stdout
+
+
+def test_the_package_is_marked_typed_and_the_marker_is_shipped() -> None:
+    root = Path(__file__).resolve().parent.parent
+    marker = "python/keyop_messenger/py.typed"
+    assert (root / marker).is_file(), f"{marker} is missing: type checkers would ignore the hints"
+    pyproject = (root / "pyproject.toml").read_text()  # no tomllib on 3.10
+    assert f'{{ path = "{marker}", format = "wheel" }}' in pyproject, (
+        f"pyproject.toml [tool.maturin] include must list {marker} so wheels carry it"
+    )
