@@ -169,7 +169,7 @@ def main() -> int:
             return 1
         status = 0
         for name, code, output in check(out, files):
-            print(f"== {name} --strict on {len(files)} pages: exit {code}")
+            print(f"== {name} --strict on {len(files)} modules: exit {code}")
             print(output.rstrip())
             status = status or code
     for page, reason in ALLOWED.items():
