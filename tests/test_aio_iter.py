@@ -103,37 +103,48 @@ def test_exception_in_body_redelivers_that_message(tmp_path: Path) -> None:
 
 
 def test_slow_body_backpressure_bounds_what_the_engine_hands_over(tmp_path: Path) -> None:
-    async def main() -> tuple[list[int], int, int]:
+    async def main() -> tuple[list[int], int]:
         async with AsyncMessenger(make_config(tmp_path)) as am:
             await publish_n(am, 50)
             got: list[int] = []
-            ticks = 0
-
-            async def ticker() -> None:  # the loop keeps running while bodies are slow
-                nonlocal ticks
-                while True:
-                    ticks += 1
-                    await asyncio.sleep(0.001)
-
-            tick_task = asyncio.create_task(ticker())
             stream = am.messages("jobs", "worker", start="earliest", buffer=2)
 
             async def run() -> None:
                 async with stream:
                     async for msg in stream:
-                        await asyncio.sleep(0.002)
+                        await asyncio.sleep(0.002)  # a slow body
                         got.append(msg.payload["n"])
                         if len(got) == 50:
                             break
 
             await asyncio.wait_for(run(), WAIT_S)
-            tick_task.cancel()
-            return got, stream.max_outstanding, ticks
+            return got, stream.max_outstanding
 
-    got, most, ticks = asyncio.run(main())
+    got, most = asyncio.run(main())
     assert got == list(range(50))
     assert 1 <= most <= 2 + 1
-    assert ticks > 0
+
+
+def test_bare_async_for_break_closes_and_redelivers_the_message_in_hand(tmp_path: Path) -> None:
+    async def main() -> tuple[list[int], list[int]]:
+        async with AsyncMessenger(make_config(tmp_path)) as am:
+            await publish_n(am, 4)
+            first: list[int] = []
+
+            async def bare() -> None:
+                async for msg in am.messages("jobs", "worker", start="earliest"):
+                    first.append(msg.payload["n"])
+                    if len(first) == 2:
+                        break
+
+            await asyncio.wait_for(bare(), WAIT_S)
+            # The same id subscribes again at once: the dropped stream's subscription closed.
+            rest = [m.payload["n"] for m in await take(am, 3)]
+            return first, rest
+
+    first, rest = asyncio.run(main())
+    assert first == [0, 1]
+    assert rest == [1, 2, 3]  # 0 acknowledged; 1 was in hand at break: delivered again
 
 
 def test_closing_the_messenger_ends_the_loop(tmp_path: Path) -> None:
@@ -181,3 +192,12 @@ def test_async_read_channel_keywords_and_errors(tmp_path: Path) -> None:
     assert every == list(range(600))
     assert window == [3, 4, 5, 6]
     assert limited == [0, 1, 2, 3, 4]
+
+
+def test_messages_refuses_a_buffer_below_one(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with AsyncMessenger(make_config(tmp_path)) as am:
+            with pytest.raises(ValueError, match="buffer must be >= 1"):
+                am.messages("jobs", "worker", buffer=0)
+
+    asyncio.run(main())

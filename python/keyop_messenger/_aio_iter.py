@@ -224,9 +224,10 @@ class MessageStream:
     def __del__(self) -> None:
         # Dropped without aclose() (``break`` or an exception in a plain
         # ``async for``): the message in hand stays unacknowledged.
-        if self._feed.ended or self._feed.sub is None:
+        feed = getattr(self, "_feed", None)  # None if __init__ raised
+        if feed is None or feed.ended or feed.sub is None:
             return
-        loop = self._feed.loop
+        loop = feed.loop
         try:
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(self._drop)
