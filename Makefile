@@ -7,7 +7,7 @@ FUZZ_SECONDS ?= 20
 # Lower bounds as in the `docs` extra of pyproject.toml (keep them in step).
 DOCS_DEPS = "mkdocs>=1.6" "mkdocs-material>=9.5" "mkdocstrings[python]>=0.29"
 
-.PHONY: help venv test test-python lint lint-rust lint-python docs docs-deps bench bench-smoke fuzz wheels clean
+.PHONY: help venv test test-python lint lint-rust lint-python typecheck docs docs-deps bench bench-smoke fuzz wheels clean
 
 help:
 	@echo "make venv         .venv with the package (editable) and the test dependencies"
@@ -16,6 +16,7 @@ help:
 	@echo "make lint         lint-rust + lint-python"
 	@echo "make lint-rust    cargo fmt --check, cargo clippy -D warnings"
 	@echo "make lint-python  ruff (pydocstyle included), mypy.stubtest of the extension"
+	@echo "make typecheck    README/docs python blocks under basedpyright --strict and mypy --strict"
 	@echo "make docs         mkdocs build --strict into site/"
 	@echo "make bench        the benchmark suite, quick (keyop-messenger bench --quick)"
 	@echo "make bench-smoke  the pytest-benchmark suite once, untimed (as CI)"
@@ -41,6 +42,9 @@ lint-rust:
 lint-python:
 	$(PY) -m ruff check python tests benches examples conftest.py
 	$(PY) -m mypy.stubtest keyop_messenger._core
+
+typecheck:
+	$(PY) tests/typecheck_docs.py
 
 docs-deps:
 	$(PIP) install -q $(DOCS_DEPS)

@@ -9,6 +9,7 @@ application decides where records go (``keyop-messenger run`` sets up stderr).
 import logging as _logging
 
 from ._core import __version__
+from .aio import AsyncEphemeralMessenger, AsyncMessenger, AsyncSubscription
 from .config import (
     AllowedPeer,
     AuditConfig,
@@ -71,6 +72,9 @@ _logging.getLogger("keyop_messenger").addHandler(_logging.NullHandler())
 
 __all__ = [
     "AllowedPeer",
+    "AsyncEphemeralMessenger",
+    "AsyncMessenger",
+    "AsyncSubscription",
     "AuditConfig",
     "BufferFullError",
     "CertificateError",

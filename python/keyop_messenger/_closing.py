@@ -7,11 +7,13 @@ import functools
 import inspect
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import ClosedError
 
-C = TypeVar("C", bound="_SyncContext")
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 T = TypeVar("T", bound=type)
 
 
@@ -67,7 +69,7 @@ class _SyncContext:
     def close(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self: C) -> C:
+    def __enter__(self) -> Self:
         self._enter()
         return self
 

@@ -5,7 +5,7 @@ from contextvars import ContextVar
 from os import PathLike
 from typing import Any, final
 
-from typing_extensions import disjoint_base
+from typing_extensions import Self, disjoint_base
 
 __all__ = [
     "MAX_RECORD_BYTES",
@@ -35,7 +35,7 @@ _DeliveryRow = tuple[int, str, int, str, str, str, str | None, str | None, Any]
 
 @disjoint_base
 class MessengerBase:
-    def __new__(cls, *_args: Any, **_kwargs: Any) -> MessengerBase: ...
+    def __new__(cls, *_args: Any, **_kwargs: Any) -> Self: ...
     def _bind_publish(
         self,
         engine: Engine,

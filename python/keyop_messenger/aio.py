@@ -1,5 +1,6 @@
 # why this file is long: the async face of both messengers and of their subscriptions shares
-# one bridge from engine threads to the event loop and one worker pool.
+# one bridge from engine threads to the event loop and one worker pool; every sync method
+# has its twin here (the messages() iterator lives in _aio_iter.py).
 """asyncio face of :class:`Messenger` and :class:`EphemeralMessenger`.
 
 ::
@@ -62,11 +63,13 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._aio_iter import MessageStream, read_entries
 from ._closing import CLOSE_TIMEOUT_S
 from .config import Config
 from .errors import ClosedError, ForkedProcessError, SubscriptionError
@@ -74,9 +77,13 @@ from .message import Message
 from .positions import Position
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from .config import AllowedPeer, TLSConfig
     from .ephemeral import EphemeralMessenger
+    from .message import LogEntry
     from .messenger import Messenger
-    from .stats import Stats
+    from .stats import FederationStatus, Stats
     from .subscription import Subscription
 
 __all__ = [
@@ -92,7 +99,6 @@ log = logging.getLogger("keyop_messenger")
 
 T = TypeVar("T")
 S = TypeVar("S")
-C = TypeVar("C", bound="_AsyncContext")
 
 #: Threads of the pool each async messenger owns for its blocking calls.
 DEFAULT_WORKERS = 8
@@ -206,7 +212,7 @@ class _AsyncContext:
     async def close(self) -> None:
         raise NotImplementedError
 
-    async def __aenter__(self: C) -> C:
+    async def __aenter__(self) -> Self:
         await self._enter()
         return self
 
@@ -485,6 +491,16 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
 
     def __init__(self, config: ConfigLike, *, max_workers: int = DEFAULT_WORKERS) -> None:
         super().__init__(config, max_workers)
+        self._streams: weakref.WeakSet[MessageStream] = weakref.WeakSet()
+        # Subscriptions of streams dropped without aclose(), still closing.
+        self._stream_closes: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
+
+    async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """As :meth:`_AsyncBase.close`; also ends every :meth:`messages` loop
+        (the message in hand stays unacknowledged)."""
+        for stream in list(self._streams):
+            stream._end(False)
+        await super().close(timeout)
 
     def _close_sync(self, sync: Messenger) -> None:
         sync.close(self._close_timeout)
@@ -549,6 +565,32 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         bridge.subscription = sub
         return sub
 
+    def messages(
+        self,
+        channel: str,
+        subscriber_id: str,
+        *,
+        start: Position = "latest",
+        reset: bool = False,
+        buffer: int = 100,
+    ) -> MessageStream:
+        """``async for msg in am.messages(channel, subscriber_id)``: the
+        channel's messages as subscriber ``subscriber_id`` (``start`` and
+        ``reset`` as for :meth:`subscribe`), at least once.
+
+        A message is acknowledged (its offset committed) when the loop asks
+        for the next one, so a body that raises leaves it unacknowledged and
+        it is delivered again to the id's next subscription. Leaving the loop
+        by ``break`` inside ``async with am.messages(...) as stream:``
+        acknowledges the message in hand; in a bare ``async for`` it cannot be
+        told from an exception, so that message is delivered again next time.
+        Either way the subscription is closed. The engine's delivery thread
+        waits for each body (the event loop never blocks), so at most one
+        message is handed over and unanswered at a time; ``buffer`` (>= 1)
+        bounds the queue between them. Closing the messenger ends the loop."""
+        self._require()
+        return MessageStream(self, channel, subscriber_id, start=start, reset=reset, buffer=buffer)
+
     async def unsubscribe(self, channel: str, subscriber_id: str) -> None:
         """As :meth:`Messenger.unsubscribe` (deletes the offset file)."""
         await self._run(self._require().unsubscribe, channel, subscriber_id)
@@ -557,6 +599,61 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         """As :meth:`Messenger.stats`."""
         sync: Any = self._require()
         return await self._run(sync.stats)
+
+    async def federation_status(self) -> FederationStatus:
+        """As :meth:`Messenger.federation_status`."""
+        return await self._run(self._require().federation_status)
+
+    async def set_allowed_peers(self, peers: list[AllowedPeer]) -> list[str]:
+        """As :meth:`Messenger.set_allowed_peers`, on a worker thread."""
+        return await self._run(self._require().set_allowed_peers, peers)
+
+    async def reload_tls(self, tls: TLSConfig) -> None:
+        """As :meth:`Messenger.reload_tls` (reads files), on a worker thread."""
+        await self._run(self._require().reload_tls, tls)
+
+    async def compact(self) -> dict[str, tuple[int, int, list[str]]]:
+        """As :meth:`Messenger.compact` (deletes segments), on a worker thread."""
+        return await self._run(self._require().compact)
+
+    async def stream_end(self, channel: str) -> int:
+        """As :meth:`Messenger.stream_end`."""
+        return await self._run(self._require().stream_end, channel)
+
+    def read_channel(
+        self,
+        channel: str,
+        *,
+        start_offset: int = 0,
+        skip_gaps: bool = False,
+        since: Position | None = None,
+        until: Position | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[LogEntry]:
+        """``async for entry in am.read_channel(channel, ...)``: as
+        :meth:`Messenger.read_channel` (same keywords and errors, raised at
+        the first ``__anext__``), reading on a worker thread in chunks."""
+        sync = self._require()
+        read = functools.partial(
+            sync.read_channel, channel, start_offset=start_offset, skip_gaps=skip_gaps,
+            since=since, until=until, limit=limit,
+        )  # fmt: skip
+        return read_entries(self._run, read)
+
+    @property
+    def name(self) -> str:
+        """As :attr:`Messenger.name`."""
+        return self._require().name
+
+    @property
+    def hub_address(self) -> tuple[str, int] | None:
+        """As :attr:`Messenger.hub_address`."""
+        return self._require().hub_address
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """As :attr:`Messenger.metrics_address`."""
+        return self._require().metrics_address
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("open" if self._sync is not None else "new")
@@ -622,6 +719,11 @@ class AsyncEphemeralMessenger(_AsyncBase["EphemeralMessenger"]):
     def status(self) -> dict[str, Any]:
         """As :meth:`EphemeralMessenger.status` (non-blocking)."""
         return self._require().status()
+
+    @property
+    def name(self) -> str:
+        """As :attr:`EphemeralMessenger.name`."""
+        return self._require().name
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("open" if self._sync is not None else "new")
