@@ -176,7 +176,8 @@ class Messenger(_core.MessengerBase, _SyncContext):
     def set_allowed_peers(self, peers: list[AllowedPeer]) -> list[str]:
         """Replaces ``hub.allowed_peers`` of the running hub (``keyop-messenger
         run`` does it on SIGHUP). Connected peers whose entry went or changed
-        are disconnected and reconnect under the new list; returns their names.
+        (every connection of theirs, durable or ephemeral) are disconnected
+        and reconnect under the new list; returns their names.
         Raises :class:`FederationError` when the hub is not enabled."""
         return self._engine.set_allowed_peers(json.dumps([dataclasses.asdict(p) for p in peers]))
 

@@ -39,12 +39,16 @@ pub struct HubCounters {
     pub records_received: Arc<AtomicU64>,
 }
 
+/// Connected ephemeral peers: name -> (connection number -> its cancel
+/// token). Any number of ephemeral connections may share a peer name.
+type EphemeralConns = HashMap<String, HashMap<u64, CancellationToken>>;
+
 /// A running hub listener.
 pub struct Hub {
     addr: SocketAddr,
     counters: Arc<HubCounters>,
     peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
-    ephemeral: Arc<Mutex<HashMap<String, usize>>>,
+    ephemeral: Arc<Mutex<EphemeralConns>>,
     allowed: Arc<Mutex<Arc<Vec<AllowedPeer>>>>,
 }
 
@@ -58,8 +62,8 @@ struct HubState {
     counters: Arc<HubCounters>,
     /// Connected durable peers: name -> (connection number, its cancel token).
     peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
-    /// Connected ephemeral peers: name -> number of connections.
-    ephemeral: Arc<Mutex<HashMap<String, usize>>>,
+    /// Connected ephemeral peers: name -> their connections' cancel tokens.
+    ephemeral: Arc<Mutex<EphemeralConns>>,
     next_conn: AtomicU64,
     /// Channels each peer has created (its `max_channels` budget).
     budgets: Mutex<HashMap<String, Arc<super::ChannelBudget>>>,
@@ -134,8 +138,8 @@ impl Hub {
     /// Replaces `hub.allowed_peers` (a configuration reload). New connections
     /// are checked against `peers`; a connected durable peer that is no longer
     /// listed, or whose entry changed, is disconnected so that it reconnects
-    /// under the new entry. Returns the names disconnected. Connected
-    /// ephemeral peers keep their connection until it ends.
+    /// under the new entry; so is every ephemeral connection of such a peer.
+    /// Returns the names disconnected (each once).
     pub fn set_allowed_peers(&self, peers: Vec<AllowedPeer>) -> Vec<String> {
         let new: HashMap<&str, &AllowedPeer> = peers.iter().map(|p| (p.name.as_str(), p)).collect();
         let old = {
@@ -157,7 +161,19 @@ impl Hub {
                 dropped.push(name.clone());
             }
         }
+        for (name, conns) in self
+            .ephemeral
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            if changed(name) {
+                conns.values().for_each(CancellationToken::cancel);
+                dropped.push(name.clone());
+            }
+        }
         dropped.sort();
+        dropped.dedup();
         log::info!(
             "hub: allowed_peers reloaded ({} peers); disconnected {dropped:?}",
             new.len()
@@ -394,12 +410,13 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
     let conn = state.next_conn.fetch_add(1, Ordering::Relaxed);
     let cancel = guard.cancel.clone();
     if hello.ephemeral {
-        *state
+        state
             .ephemeral
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .entry(peer.clone())
-            .or_insert(0) += 1;
+            .or_default()
+            .insert(conn, cancel.clone());
     } else {
         let older = state
             .peers
@@ -441,9 +458,9 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
     let ended = link::run(shared.clone(), ws, out, inbound, cancel).await;
     if hello.ephemeral {
         let mut eph = state.ephemeral.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = eph.get_mut(&peer) {
-            *n -= 1;
-            if *n == 0 {
+        if let Some(conns) = eph.get_mut(&peer) {
+            conns.remove(&conn);
+            if conns.is_empty() {
                 eph.remove(&peer);
             }
         }
