@@ -85,8 +85,8 @@ def test_sighup_rotates_the_hub_certificate(tmp_path: Path, pki: PKI, start: Sta
         # The federated client made before the rotation is still connected.
         second = node1.publish("temps", "t", 2)
         poll(lambda: stored_ids(hub_dir, "temps") == [first, second], "record after rotation")
-        (link,) = node1.federation_status()["clients"]
-        assert link["connected"] and link["reconnects"] == 0, link
+        (link,) = node1.federation_status().clients
+        assert link.connected and link.reconnects == 0, link
 
         # Nothing changed since: nothing is reloaded.
         hub.proc.send_signal(signal.SIGHUP)

@@ -7,9 +7,9 @@ application decides where records go (``keyop-messenger run`` sets up stderr).
 """
 
 import logging as _logging
+from typing import TYPE_CHECKING, Any
 
 from ._core import __version__
-from .aio import AsyncEphemeralMessenger, AsyncMessenger, AsyncSubscription
 from .config import (
     AllowedPeer,
     AuditConfig,
@@ -132,3 +132,18 @@ __all__ = [
     "load_config",
     "read_channel",
 ]
+
+if TYPE_CHECKING:
+    from .aio import AsyncEphemeralMessenger, AsyncMessenger, AsyncSubscription
+
+# The asyncio classes load on first use: importing asyncio pulls in ssl, which a
+# publisher on a small board that never uses them should not pay for.
+_LAZY = {"AsyncEphemeralMessenger", "AsyncMessenger", "AsyncSubscription"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import aio
+
+        return getattr(aio, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
