@@ -315,25 +315,9 @@ class LogConfig:
 
 @dataclass
 class ConfigFields:
-    """The fields of :class:`~keyop_messenger.config.Config`: the whole YAML document.
-
-    Attributes:
-        name: Instance name: ``origin`` of locally published envelopes,
-            ``instance_name`` in the federation handshake, used in logs. Defaults to
-            the OS host name; must be non-empty and should equal the CN of
-            ``tls.cert``.
-        storage: The ``storage`` section.
-        subscribers: The ``subscribers`` section.
-        hub: The ``hub`` section.
-        client: The ``client`` section.
-        tls: The ``tls`` section.
-        federation: The ``federation`` section.
-        dedup: The ``dedup`` section.
-        audit: The ``audit`` section.
-        metrics: The ``metrics`` section.
-        log: The ``log`` section.
-        retention: The ``retention`` section.
-    """
+    """The fields of :class:`~keyop_messenger.config.Config`, the whole YAML
+    document: ``name`` and one attribute per section (documented on ``Config``,
+    which adds loading and validation)."""
 
     name: str = field(default_factory=_default_name)
     storage: StorageConfig = field(default_factory=StorageConfig)

@@ -705,25 +705,9 @@ impl<H: Handler> Worker<H> {
         };
         if raw {
             // Quarantined and dead-lettered as raw text (logged there).
-            let mut attempt = 1;
-            loop {
-                match self.unreadable(d.offset, &d.line, Some(&d.envelope.origin), &last_error) {
-                    Ok(()) => {
-                        self.ack(d.offset + d.line.len() as u64 + 1);
-                        return true;
-                    }
-                    Err(e) => log::error!(
-                        "channel {:?}: cannot write dead letter for {}: {e}; retrying",
-                        self.channel,
-                        d.envelope.id
-                    ),
-                }
-                let delay = backoff_delay(self.opts.backoff_base, self.opts.backoff_max, attempt);
-                if self.stop.sleep(delay) {
-                    return false;
-                }
-                attempt += 1;
-            }
+            return self.commit_dead_letter(d, |w| {
+                w.unreadable(d.offset, &d.line, Some(&d.envelope.origin), &last_error)
+            });
         }
         if self.channel.ends_with(DEAD_LETTER_SUFFIX) || !self.opts.dead_letter {
             log::error!(
@@ -736,10 +720,19 @@ impl<H: Handler> Worker<H> {
             self.ack(d.offset + d.line.len() as u64 + 1);
             return true;
         }
-        // The offset moves only once the dead letter is committed.
+        self.commit_dead_letter(d, |w| w.dead_letter(d, &last_error, retries, rejected))
+    }
+
+    /// Writes `d`'s dead letter with `write`, retrying with backoff until it
+    /// is committed; the offset moves only then. False when stopped first.
+    fn commit_dead_letter(
+        &mut self,
+        d: &Delivery,
+        write: impl Fn(&Self) -> Result<(), crate::StorageError>,
+    ) -> bool {
         let mut attempt = 1;
         loop {
-            match self.dead_letter(d, &last_error, retries, rejected) {
+            match write(self) {
                 Ok(()) => {
                     self.ack(d.offset + d.line.len() as u64 + 1);
                     return true;
