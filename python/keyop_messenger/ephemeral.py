@@ -19,7 +19,8 @@ from typing import Any
 from . import _core
 from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import _SyncContext, refuse_when_closed
-from .config import Config, load_config
+from .config import Config
+from .config.loading import as_config
 from .context import resolve
 from .errors import ConfigError, send_batch, unicode_error
 from .message import message_from_parts
@@ -66,10 +67,7 @@ class EphemeralMessenger(_SyncContext):
         on_disconnect: OnDisconnect | None = None,
         on_refused: OnRefused | None = None,
     ) -> None:
-        if isinstance(config, Mapping):
-            config = Config.from_dict(config)
-        elif not isinstance(config, Config):
-            config = load_config(config)
+        config = as_config(config)
         if not config.client.hubs:
             raise ConfigError(["client.hubs: an EphemeralMessenger needs at least one hub"])
         missing = [name for name in ("cert", "key", "ca") if not getattr(config.tls, name)]

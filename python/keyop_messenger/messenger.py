@@ -16,7 +16,8 @@ from typing import Any
 from . import _core
 from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
-from .config import AllowedPeer, Config, TLSConfig, load_config
+from .config import AllowedPeer, Config, TLSConfig
+from .config.loading import as_config
 from .context import _CONTEXT, resolve
 from .errors import ConfigError, send_batch, unicode_error
 from .message import LogEntry, entry_from_row
@@ -80,10 +81,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
         on_disconnect: OnDisconnect | None = None,
         on_refused: OnRefused | None = None,
     ) -> None:
-        if isinstance(config, Mapping):
-            config = Config.from_dict(config)
-        elif not isinstance(config, Config):
-            config = load_config(config)
+        config = as_config(config)
         config.validate()
         self._config = config
         self._registry = PayloadRegistry()

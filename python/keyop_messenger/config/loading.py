@@ -103,6 +103,17 @@ class Config(ConfigFields):
             raise ConfigError(problems.messages)
 
 
+def as_config(config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
+    """A :class:`Config` from what a messenger's constructor accepts: a
+    ``Config`` (returned as is), a mapping (:meth:`Config.from_dict`) or the
+    path of a YAML file (:func:`load_config`)."""
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, Mapping):
+        return Config.from_dict(config)
+    return load_config(config)
+
+
 def load_config(
     path: str | os.PathLike[str],
     *,
