@@ -69,6 +69,7 @@ fn constructed(data: &[u8]) {
     round_trip(&Handshake::hub(&name));
     let ack = Ack {
         last_id: name.into_owned(),
+        ..Ack::default()
     };
     let back: Ack = serde_json::from_str(&ack.to_json()).expect("a serialised ack parses");
     assert_eq!(back, ack);
