@@ -22,7 +22,7 @@ use crate::stats::{ChannelSnapshot, EngineStats, SubscriberSnapshot};
 use crate::storage::compaction::{self, CompactionReport, RetentionConfig};
 use crate::storage::offsets::{offset_path, read_offset, subscribers_dir};
 use crate::storage::timeindex::{self, PositionError, SeekCost, StartPosition};
-use crate::storage::{ChannelWriter, LogReader, StorageError, Store, StoreConfig};
+use crate::storage::{ChannelWriter, LogReader, StorageError, Store, StoreConfig, Ticket};
 use crate::subscribe::{Handler, Stop, SubscribeOptions, Subscriber, Wiring};
 use crate::Error;
 
@@ -43,6 +43,74 @@ pub struct Outgoing<'a> {
 pub struct Published {
     pub id: String,
     pub offset: u64,
+}
+
+/// A publish handed to its channel's committer thread ([`Engine::submit`]):
+/// its id at once, its outcome later. Dropping it does not cancel it.
+pub struct Submitted {
+    /// The message id.
+    pub id: String,
+    ticket: Ticket,
+}
+
+impl Submitted {
+    fn published(
+        &self,
+        r: Result<crate::storage::Appended, StorageError>,
+    ) -> Result<Published, Error> {
+        r.map(|at| Published {
+            id: self.id.clone(),
+            offset: at.offset,
+        })
+        .map_err(Error::from)
+    }
+
+    /// Whether the outcome is known.
+    pub fn is_done(&self) -> bool {
+        self.ticket.is_done()
+    }
+
+    /// Waits at most `timeout`; `None` if the outcome is not known by then.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<Published, Error>> {
+        self.ticket.wait_timeout(timeout).map(|r| self.published(r))
+    }
+
+    /// Waits for the outcome: `Ok` once committed, as [`Engine::publish`].
+    pub fn wait(&self) -> Result<Published, Error> {
+        self.published(self.ticket.wait())
+    }
+
+    /// Calls `callback` with the outcome, on the thread that commits the
+    /// batch (or at once if it is known).
+    pub fn on_done(&self, callback: impl FnOnce(Result<Published, Error>) + Send + 'static) {
+        let id = self.id.clone();
+        self.ticket.on_done(move |r| {
+            callback(
+                r.map(|at| Published {
+                    id,
+                    offset: at.offset,
+                })
+                .map_err(Error::from),
+            )
+        });
+    }
+}
+
+/// The ids of a batch, each with its record's offset in the batch.
+pub type Ids = Vec<(String, u64)>;
+
+/// A batch ready to append: its writer, its records, their ids.
+type EncodedBatch = (Arc<ChannelWriter>, Vec<u8>, Ids);
+
+/// Each id of a batch with its record's global offset, the batch starting
+/// at `offset`.
+pub fn placed(ids: Ids, offset: u64) -> Vec<Published> {
+    ids.into_iter()
+        .map(|(id, rel)| Published {
+            id,
+            offset: offset + rel,
+        })
+        .collect()
 }
 
 /// A local messenger instance: storage plus identity.
@@ -156,6 +224,42 @@ impl Engine {
         })
     }
 
+    /// Whether a publish is fdatasynced before it is acknowledged
+    /// (`sync_interval_ms: 0`).
+    pub fn durable(&self) -> bool {
+        self.store.durable()
+    }
+
+    /// Hands one message to its channel's committer thread and returns at
+    /// once with its id; [`Submitted`] gives the outcome. Records submitted
+    /// from one thread are committed in the order submitted, and share
+    /// batches (and fdatasyncs) with each other and with [`Engine::publish`].
+    pub fn submit(&self, channel: &str, m: &Outgoing<'_>) -> Result<Submitted, Error> {
+        let writer = self.publish_writer(channel)?;
+        let mut line = Vec::with_capacity(200 + m.payload_json.len());
+        let id = self.encode(&mut line, channel, m)?;
+        let ticket = writer.submit(&line, 1)?;
+        self.on_commit(&ticket, vec![id.clone()]);
+        Ok(Submitted { id, ticket })
+    }
+
+    /// What a commit of submitted records updates, as `publish` does after
+    /// `append`: the publish latency, and (once committed) the ids marked
+    /// seen for federation.
+    fn on_commit(&self, ticket: &Ticket, ids: Vec<String>) {
+        let started = Instant::now();
+        let stats = self.stats.clone();
+        let seen = self.seen.get().cloned();
+        ticket.on_done(move |r| {
+            stats.publish.record(started.elapsed());
+            if let (Ok(_), Some(seen)) = (r, seen) {
+                for id in &ids {
+                    seen.insert(id);
+                }
+            }
+        });
+    }
+
     /// Publishes several messages as one group: one write, one fsync, all or
     /// none committed, contiguous in one segment.
     pub fn publish_batch(
@@ -174,9 +278,49 @@ impl Engine {
         items: &[Outgoing<'_>],
         given: Option<&[String]>,
     ) -> Result<Vec<Published>, Error> {
+        let Some((writer, buf, ids)) = self.encode_batch(channel, items, given)? else {
+            return Ok(Vec::new());
+        };
+        let started = Instant::now();
+        let at = writer.append(&buf, items.len() as u64)?;
+        self.stats.publish.record(started.elapsed());
+        if let Some(seen) = self.seen.get() {
+            for (id, _) in &ids {
+                seen.insert(id);
+            }
+        }
+        Ok(placed(ids, at.offset))
+    }
+
+    /// [`Engine::publish_batch_with_ids`] handed to the channel's committer
+    /// thread: returns at once with the ids and a ticket of the batch's
+    /// outcome ([`Engine::submit`]); `None` for an empty batch.
+    pub fn submit_batch_with_ids(
+        &self,
+        channel: &str,
+        items: &[Outgoing<'_>],
+        given: Option<&[String]>,
+    ) -> Result<Option<(Ids, Ticket)>, Error> {
+        let Some((writer, buf, ids)) = self.encode_batch(channel, items, given)? else {
+            return Ok(None);
+        };
+        let ticket = writer.submit(&buf, items.len() as u64)?;
+        self.on_commit(&ticket, ids.iter().map(|(id, _)| id.clone()).collect());
+        Ok(Some((ids, ticket)))
+    }
+
+    /// Encodes a batch for [`Engine::publish_batch_with_ids`]: the writer,
+    /// the records, and each id with its record's place in them. `None` for
+    /// an empty batch.
+    fn encode_batch(
+        &self,
+        channel: &str,
+        items: &[Outgoing<'_>],
+        given: Option<&[String]>,
+    ) -> Result<Option<EncodedBatch>, Error> {
         let writer = self.publish_writer(channel)?;
         if items.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         if let Some(given) = given {
             if given.len() != items.len() {
@@ -195,21 +339,7 @@ impl Engine {
             let id = encode_message_with_id(&mut buf, &self.origin, channel, m, id)?;
             ids.push((id, start as u64));
         }
-        let started = Instant::now();
-        let at = writer.append(&buf, items.len() as u64)?;
-        self.stats.publish.record(started.elapsed());
-        if let Some(seen) = self.seen.get() {
-            for (id, _) in &ids {
-                seen.insert(id);
-            }
-        }
-        Ok(ids
-            .into_iter()
-            .map(|(id, rel)| Published {
-                id,
-                offset: at.offset + rel,
-            })
-            .collect())
+        Ok(Some((writer, buf, ids)))
     }
 
     /// A reader of `channel` from global offset `from`, and the channel's

@@ -17,7 +17,9 @@ pub mod stats;
 pub mod storage;
 pub mod subscribe;
 
-pub use engine::{read_channel, read_channel_stats, resolve_position, Engine, Outgoing, Published};
+pub use engine::{
+    read_channel, read_channel_stats, resolve_position, Engine, Outgoing, Published, Submitted,
+};
 pub use envelope::{Envelope, NameError, NameKind};
 pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};
 pub use storage::timeindex::StartPosition;

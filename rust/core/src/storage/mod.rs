@@ -22,7 +22,7 @@ use std::time::Duration;
 
 pub use reader::{Item, LogReader};
 pub use writer::{
-    Appended, ChannelWriter, CommitNotifier, CounterSnapshot, FaultPoint, WriterConfig,
+    Appended, ChannelWriter, CommitNotifier, CounterSnapshot, FaultPoint, Ticket, WriterConfig,
 };
 
 use crate::envelope::{validate_name, NameError, NameKind};
@@ -191,6 +191,12 @@ impl Store {
     }
 
     /// The data directory.
+    /// Whether appends are fdatasynced before they return
+    /// (`sync_interval_ms: 0`).
+    pub fn durable(&self) -> bool {
+        self.shared.cfg.sync_interval_ms == 0
+    }
+
     pub fn data_dir(&self) -> &Path {
         &self.shared.cfg.data_dir
     }

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 pub use counters::{CounterSnapshot, WriterCounters};
 pub use notify::CommitNotifier;
+pub use submit::Ticket;
 
 use super::fdpool::{PooledFile, NO_OWNER};
 use super::segment;
@@ -71,6 +72,9 @@ pub enum FaultPoint {
     Sync,
     /// The fdatasync after a write: the OS error `errno`.
     SyncErrno { errno: i32 },
+    /// The fdatasync after a write takes `ms` milliseconds longer, then
+    /// succeeds (a stalled disk).
+    SyncDelay { ms: u64 },
     /// Creating the next segment at a roll: ENOSPC.
     Roll,
 }
@@ -98,6 +102,23 @@ struct Outcome {
     error: Option<StorageError>,
 }
 
+impl Outcome {
+    /// The result of the append that occupies `pos..pos + len` of the batch.
+    fn result(&self, pos: usize, len: usize) -> Result<Appended, StorageError> {
+        let end = pos + len;
+        match &self.error {
+            Some(e) if end > self.committed => Err(e.clone()),
+            _ => Ok(Appended {
+                offset: self.batch_start + pos as u64,
+                end: self.batch_start + end as u64,
+            }),
+        }
+    }
+}
+
+/// Called once with the result of a submitted append (see [`Ticket::on_done`]).
+type Callback = Box<dyn FnOnce(Result<Appended, StorageError>) + Send>;
+
 /// [`Slot::state`]: the batch is queued or in flight, nobody sleeps yet.
 const PENDING: u32 = 0;
 /// Queued or in flight, and callers may sleep on the word.
@@ -112,6 +133,9 @@ const DONE: u32 = 3;
 struct Slot {
     outcome: OnceLock<Outcome>,
     state: AtomicU32,
+    /// Completion callbacks of submitted appends: `(pos, len, callback)`.
+    callbacks: Mutex<Vec<(usize, usize, Callback)>>,
+    has_callbacks: AtomicBool,
 }
 
 impl Slot {
@@ -123,6 +147,17 @@ impl Slot {
         let _ = self.outcome.set(outcome);
         if self.state.swap(DONE, Ordering::AcqRel) != PENDING {
             atomic_wait::wake_one(&self.state);
+        }
+        // A callback registered from now on finds the outcome set and runs at
+        // once (`Ticket::on_done` checks under the same lock).
+        if self.has_callbacks.load(Ordering::Acquire) {
+            let callbacks =
+                std::mem::take(&mut *self.callbacks.lock().unwrap_or_else(|e| e.into_inner()));
+            self.has_callbacks.store(false, Ordering::Release);
+            let o = self.outcome.get().expect("set above");
+            for (pos, len, callback) in callbacks {
+                callback(o.result(pos, len));
+            }
         }
     }
 
@@ -162,6 +197,11 @@ struct State {
     closed: bool,
     /// Callers blocked on `done` (closing), so a batch wakes them only then.
     waiters: usize,
+    /// `pending` holds submitted appends (see [`ChannelWriter::submit`]),
+    /// which only the committer thread may be counted on to lead.
+    submitted: bool,
+    /// The committer thread is running.
+    committer: bool,
     active: Option<Active>,
     /// The active file, for the periodic fsync of relaxed mode.
     sync_file: Option<Arc<PooledFile>>,
@@ -177,6 +217,10 @@ pub struct ChannelWriter {
     done: Condvar,
     /// Signalled when enough appends are queued for a gathering leader.
     arrived: Condvar,
+    /// Signalled when the committer thread has a batch to lead, or on close.
+    kick: Condvar,
+    /// The committer thread, once started (joined by `close`).
+    committer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Duration of the last fdatasync, in nanoseconds: bounds a gather.
     last_sync_ns: AtomicU64,
     notifier: CommitNotifier,
@@ -283,11 +327,15 @@ impl ChannelWriter {
                 last_groups: 0,
                 closed: false,
                 waiters: 0,
+                submitted: false,
+                committer: false,
                 sync_file: Some(active.file.clone()),
                 active: Some(active),
             }),
             done: Condvar::new(),
             arrived: Condvar::new(),
+            kick: Condvar::new(),
+            committer: Mutex::new(None),
             last_sync_ns: AtomicU64::new(0),
             notifier,
             counters: WriterCounters::default(),
@@ -387,18 +435,10 @@ impl ChannelWriter {
                 }
             }
         }
-        let o = slot
-            .outcome
+        slot.outcome
             .get()
-            .expect("a finished batch has its outcome");
-        let end = pos + records.len();
-        match &o.error {
-            Some(e) if end > o.committed => Err(e.clone()),
-            _ => Ok(Appended {
-                offset: o.batch_start + pos as u64,
-                end: o.batch_start + end as u64,
-            }),
-        }
+            .expect("a finished batch has its outcome")
+            .result(pos, records.len())
     }
 
     /// Durable mode with concurrent publishers: before flushing, waits until
@@ -443,6 +483,7 @@ impl ChannelWriter {
         let groups = std::mem::replace(&mut st.groups, spare_groups);
         let next = Self::fresh_slot(&mut st);
         let slot = std::mem::replace(&mut st.slot, next);
+        st.submitted = false;
         let Some(mut active) = st.active.take() else {
             // Closed: the segment file is released; nothing is written.
             st.flushing = false;
@@ -500,13 +541,18 @@ impl ChannelWriter {
         if st.waiters > 0 {
             self.done.notify_all();
         }
+        if st.submitted {
+            self.kick.notify_one();
+        }
         drop(st);
+        // Readers learn of the commit before its callers return, so a
+        // caller reads its own record at once (read-your-writes).
+        self.notifier.publish(end);
         slot.finish(Outcome {
             batch_start,
             committed,
             error,
         });
-        self.notifier.publish(end);
         if let Some(next) = next {
             next.request_leader();
         }
@@ -645,6 +691,7 @@ impl ChannelWriter {
         let mut st = self.lock();
         st.closed = true;
         self.arrived.notify_all();
+        self.kick.notify_all();
         while st.flushing {
             st.waiters += 1;
             st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -675,11 +722,13 @@ impl ChannelWriter {
         };
         drop(released);
         self.notifier.close();
+        self.join_committer();
     }
 }
 
 mod commit;
 mod counters;
 mod notify;
+mod submit;
 #[cfg(test)]
 mod tests;

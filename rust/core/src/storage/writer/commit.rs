@@ -228,9 +228,18 @@ impl ChannelWriter {
 
     pub(super) fn sync(&self, file: &File) -> io::Result<()> {
         self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
-        match self.take_fault(|p| matches!(p, FaultPoint::Sync | FaultPoint::SyncErrno { .. })) {
+        let fault = self.take_fault(|p| {
+            matches!(
+                p,
+                FaultPoint::Sync | FaultPoint::SyncErrno { .. } | FaultPoint::SyncDelay { .. }
+            )
+        });
+        match fault {
             Some(FaultPoint::SyncErrno { errno }) => {
                 return Err(io::Error::from_raw_os_error(errno))
+            }
+            Some(FaultPoint::SyncDelay { ms }) => {
+                std::thread::sleep(std::time::Duration::from_millis(ms))
             }
             Some(_) => return Err(io::Error::from_raw_os_error(libc::EIO)),
             None => {}
