@@ -9,7 +9,7 @@ application decides where records go (``keyop-messenger run`` sets up stderr).
 import logging as _logging
 from typing import TYPE_CHECKING, Any
 
-from ._core import __version__
+from ._core import Receipt, __version__
 from .config import (
     AllowedPeer,
     AuditConfig,
@@ -117,6 +117,7 @@ __all__ = [
     "PayloadTypeError",
     "PolicyError",
     "Position",
+    "Receipt",
     "Stats",
     "StorageConfig",
     "StorageError",

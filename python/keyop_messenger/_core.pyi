@@ -3,15 +3,17 @@
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from os import PathLike
-from typing import Any, final
+from typing import Any, Literal, final, overload
 
 from typing_extensions import Self, disjoint_base
 
 __all__ = [
     "MAX_RECORD_BYTES",
+    "Completer",
     "Engine",
     "EphemeralClient",
     "MessengerBase",
+    "Receipt",
     "RecordIter",
     "Subscription",
     "__version__",
@@ -45,6 +47,7 @@ class MessengerBase:
         default: Callable[[Any], Any],
         unicode_error: Callable[..., Exception],
     ) -> None: ...
+    @overload
     def publish(
         self,
         channel: str,
@@ -53,6 +56,7 @@ class MessengerBase:
         *,
         service_name: str | None = None,
         correlation_id: str | None = None,
+        wait: Literal[True] = True,
     ) -> str:
         """Publishes one message and returns its id once it is committed.
 
@@ -67,9 +71,12 @@ class MessengerBase:
             payload: the message body.
             service_name: overrides the ``service_name`` of :func:`keyop_messenger.context`.
             correlation_id: overrides the ``correlation_id`` of :func:`keyop_messenger.context`.
+            wait: ``False`` returns a :class:`Receipt` as soon as the message is handed to
+                the channel's committer (pipelining: many messages share each fdatasync);
+                its ``wait()`` gives the id once committed or raises what ``publish`` would.
 
         Returns:
-            The message id (a UUIDv7).
+            The message id (a UUIDv7), once committed; a :class:`Receipt` with ``wait=False``.
 
         Raises:
             InvalidNameError: the channel name is not allowed.
@@ -79,6 +86,53 @@ class MessengerBase:
             ClosedError: the messenger is closed.
         """
         ...
+    @overload
+    def publish(
+        self,
+        channel: str,
+        payload_type: str,
+        payload: Any,
+        *,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+        wait: Literal[False],
+    ) -> Receipt: ...
+    @overload
+    def publish(
+        self,
+        channel: str,
+        payload_type: str,
+        payload: Any,
+        *,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+        wait: bool,
+    ) -> str | Receipt: ...
+
+@final
+class Receipt:
+    """A message handed to the engine by ``publish(..., wait=False)``."""
+
+    @property
+    def id(self) -> str:
+        """The message id (a UUIDv7), known before the commit."""
+        ...
+    def done(self) -> bool:
+        """Whether the outcome (committed or failed) is known."""
+        ...
+    def wait(self, timeout: float | None = None) -> str:
+        """Waits until the message is committed and returns its id.
+
+        Raises what a blocking ``publish`` would have raised, or ``KeyopTimeoutError`` once
+        ``timeout`` seconds pass (the message may still be committed later).
+        """
+        ...
+
+@final
+class Completer:
+    def __new__(cls, event_loop: Any) -> Completer: ...
+    def watch(self, receipt: Receipt) -> Any: ...
+    def _drain(self) -> None: ...
 
 @final
 class Engine:
@@ -156,7 +210,13 @@ class Engine:
     def stats(self) -> dict[str, Any]: ...
     def _counters(self, channel: str) -> dict[str, int]: ...
     def _inject_fault(
-        self, channel: str, kind: str, count: int = 1, partial: int = 0, errno: int = 0
+        self,
+        channel: str,
+        kind: str,
+        count: int = 1,
+        partial: int = 0,
+        errno: int = 0,
+        delay_ms: int = 0,
     ) -> None: ...
     def _republish(self, channel: str, record: bytes) -> str: ...
     def _simulate_power_loss(self, torn: int = 0) -> None: ...

@@ -20,12 +20,15 @@
 
 How it works:
 
-* Blocking calls (``publish`` waits for the fsync, ``close`` for the handler in
-  progress) run on a small thread pool owned by the object
+* ``AsyncMessenger.publish`` hands the message to the channel's committer
+  thread at once and awaits a future; each commit completes the futures of
+  all its messages in one step on the loop, so concurrent publishes from many
+  tasks share one fsync per channel (group commit) with no thread hand-off
+  per message.
+* Other blocking calls (``publish_batch``, ``flush``, ``close`` waiting for the
+  handler in progress, ...) run on a small thread pool owned by the object
   (``max_workers`` threads, default :data:`DEFAULT_WORKERS`), never on the event
   loop. The engine releases the GIL while it waits, so the loop keeps running.
-  Concurrent publishes from many tasks still share one fsync per channel (group
-  commit), up to ``max_workers`` at a time.
 * Subscriber handlers are ``async def`` functions run **on the event loop that
   called** :meth:`AsyncMessenger.subscribe`: the engine's delivery thread
   schedules ``handler(msg)`` there with :func:`asyncio.run_coroutine_threadsafe`
@@ -43,11 +46,12 @@ How it works:
   in the calling task are honoured (the task's context is carried to the pool).
 
 Cancellation: cancelling a task awaiting :meth:`~AsyncMessenger.publish` stops
-the wait, not necessarily the publish. If the publish had already been handed to
-the engine it still commits (its id is simply not returned), so a retry after a
+the wait, not the publish: the message was handed to the engine when the call
+started and still commits (its id is simply not returned), so a retry after a
 cancellation can store the message twice: delivery is at-least-once, and
 consumers should be idempotent (e.g. by message id, or the application's own
-key). A publish still queued for a pool thread when cancelled is not made.
+key). A ``publish_batch`` still queued for a pool thread when cancelled is not
+made.
 ``open``/``close`` (and ``async with``) finish what they started even when
 cancelled, then re-raise :class:`asyncio.CancelledError`, so a cancelled task
 never leaves a data directory locked.
@@ -69,6 +73,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from . import _core
 from ._aio_iter import MessageStream, read_entries
 from ._closing import CLOSE_TIMEOUT_S
 from .config import Config
@@ -239,6 +244,7 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         self._opening: asyncio.Future[S] | None = None
         self._pid = os.getpid()
         self._close_timeout = CLOSE_TIMEOUT_S
+        self._completer: tuple[asyncio.AbstractEventLoop, _core.Completer] | None = None
 
     # -- plumbing -----------------------------------------------------------
 
@@ -250,6 +256,14 @@ class _AsyncBase(_AsyncContext, Generic[S]):
 
     async def _run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         return await self._submit(fn, *args, **kwargs)
+
+    def _await_receipt(self, receipt: _core.Receipt) -> asyncio.Future[str]:
+        """A future of the running loop completed when ``receipt`` is."""
+        loop = asyncio.get_running_loop()
+        if self._completer is None or self._completer[0] is not loop:
+            self._completer = (loop, _core.Completer(loop))
+        future: asyncio.Future[str] = self._completer[1].watch(receipt)
+        return future
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:  # the pool and the messenger are the parent's
@@ -376,18 +390,28 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         correlation_id: str | None = None,
     ) -> str:
         """Publishes one message; returns its id once committed (see the sync
-        ``publish`` for the errors raised). Cancelling the awaiting task does
-        not undo a publish already handed to the engine: it may still commit
-        (at-least-once)."""
+        ``publish`` for the errors raised). The message is handed to the
+        engine before the first await, without a worker thread; cancelling the
+        awaiting task does not undo it: it still commits (at-least-once)."""
         sync: Any = self._require()
-        return await self._run(
-            sync.publish,
+        if not isinstance(sync, _core.MessengerBase):  # the ephemeral client waits for a hub
+            return await self._run(
+                sync.publish,
+                channel,
+                payload_type,
+                payload,
+                service_name=service_name,
+                correlation_id=correlation_id,
+            )
+        receipt = sync.publish(
             channel,
             payload_type,
             payload,
             service_name=service_name,
             correlation_id=correlation_id,
+            wait=False,
         )
+        return await self._await_receipt(receipt)
 
     async def publish_batch(
         self,

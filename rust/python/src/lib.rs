@@ -9,6 +9,7 @@
 mod errors;
 mod json;
 mod keygen;
+mod receipt;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -54,7 +55,7 @@ fn interruptible<T: Send>(
 }
 
 /// `timeout_s` (seconds, None: the engine's default) as a duration.
-fn timeout_or(timeout_s: Option<f64>, default: Duration) -> PyResult<Duration> {
+pub(crate) fn timeout_or(timeout_s: Option<f64>, default: Duration) -> PyResult<Duration> {
     match timeout_s {
         None => Ok(default),
         Some(t) if t.is_finite() && t >= 0.0 => Ok(Duration::from_secs_f64(t)),
@@ -168,14 +169,21 @@ fn opt_str<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a str>> {
 
 impl MessengerBase {
     /// `publish` once the context is resolved and the registry consulted:
-    /// encodes, then commits with the GIL released. Text that is not valid
+    /// encodes, then commits with the GIL released, and returns the id (or,
+    /// with `wait` false, a `Receipt` at once). Text that is not valid
     /// Unicode fails with `UnicodeEncodeError`.
-    fn send(
-        py: Python<'_>,
+    ///
+    /// A durable publish from Python's main thread is handed to the channel's
+    /// committer thread and waited for in slices, so Ctrl-C is honoured even
+    /// while an fdatasync takes long; other threads commit inline (group
+    /// commit, no hand-off).
+    fn send<'py>(
+        py: Python<'py>,
         path: &PublishPath,
-        texts: [&Bound<'_, PyAny>; 4],
-        payload: &Bound<'_, PyAny>,
-    ) -> PyResult<String> {
+        texts: [&Bound<'py, PyAny>; 4],
+        payload: &Bound<'py, PyAny>,
+        wait: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let [channel, payload_type, service_name, correlation_id] = texts;
         let channel = channel.cast::<PyString>()?.to_str()?;
         let json = encode_payload(payload, Some(path.default.bind(py)))?;
@@ -185,10 +193,21 @@ impl MessengerBase {
             service_name: opt_str(service_name)?,
             correlation_id: opt_str(correlation_id)?,
         };
+        if !wait {
+            let sub = py.detach(|| path.engine.submit(channel, &msg)).py_err(py)?;
+            let receipt = receipt::Receipt { sub: Arc::new(sub) };
+            return Ok(Bound::new(py, receipt)?.into_any());
+        }
+        if path.engine.durable() && receipt::on_main_thread(py)? {
+            let sub = py.detach(|| path.engine.submit(channel, &msg)).py_err(py)?;
+            let published = receipt::wait_interruptibly(py, &sub, None)?
+                .expect("no limit: waits until the outcome is known");
+            return Ok(PyString::new(py, &published.id).into_any());
+        }
         let published = py
             .detach(|| path.engine.publish(channel, &msg))
             .py_err(py)?;
-        Ok(published.id)
+        Ok(PyString::new(py, &published.id).into_any())
     }
 }
 
@@ -233,7 +252,12 @@ impl MessengerBase {
     /// registered type or is not JSON-encodable, `MessageTooLargeError` over
     /// 10 MiB, `StorageError` if it was not committed, and `ClosedError`
     /// after `close()`.
-    #[pyo3(signature = (channel, payload_type, payload, *, service_name = None, correlation_id = None))]
+    ///
+    /// With `wait=False` it returns a `Receipt` as soon as the message is
+    /// handed to the channel's committer: its `wait()` returns the id once
+    /// committed (or raises what `publish` would have raised).
+    #[pyo3(signature = (channel, payload_type, payload, *, service_name = None, correlation_id = None, wait = true))]
+    #[allow(clippy::too_many_arguments)]
     fn publish<'py>(
         &self,
         py: Python<'py>,
@@ -242,7 +266,8 @@ impl MessengerBase {
         payload: &Bound<'py, PyAny>,
         service_name: Option<&Bound<'py, PyAny>>,
         correlation_id: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<String> {
+        wait: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let Some(path) = self.path.get() else {
             return Err(new_err(
                 py,
@@ -274,7 +299,7 @@ impl MessengerBase {
             service_name.as_ref().unwrap_or(&none),
             correlation_id.as_ref().unwrap_or(&none),
         ];
-        match Self::send(py, path, texts, payload) {
+        match Self::send(py, path, texts, payload, wait) {
             Err(e) if e.is_instance_of::<PyUnicodeEncodeError>(py) => {
                 let named = PyDict::new(py);
                 for (key, text) in ["channel", "payload_type", "service_name", "correlation_id"]
@@ -347,6 +372,24 @@ impl PyEngine {
                 correlation_id,
             })
             .collect();
+        if self.engine.durable() && receipt::on_main_thread(py)? {
+            // Interruptible by Ctrl-C while the commit is slow (see `send`).
+            let submitted = py
+                .detach(|| {
+                    self.engine
+                        .submit_batch_with_ids(channel, &msgs, ids.as_deref())
+                })
+                .py_err(py)?;
+            let Some((ids, ticket)) = submitted else {
+                return Ok(Vec::new());
+            };
+            receipt::wait_slices(py, None, |slice| {
+                ticket
+                    .wait_timeout(slice)
+                    .map(|r| r.map_err(keyop_core::Error::from))
+            })?;
+            return Ok(ids.into_iter().map(|(id, _)| id).collect());
+        }
         let published = py
             .detach(|| {
                 self.engine
@@ -427,8 +470,10 @@ impl PyEngine {
     /// Test hook: fail the next `count` I/O steps of `kind` ("write",
     /// "sync" or "roll") on `channel`; a failing write first writes
     /// `partial` bytes. `errno` (write and sync) picks the OS error instead
-    /// of ENOSPC (write) or EIO (sync).
-    #[pyo3(signature = (channel, kind, count = 1, partial = 0, errno = 0))]
+    /// of ENOSPC (write) or EIO (sync). `delay_ms` (sync): the fdatasync
+    /// takes that much longer and succeeds (a stalled disk).
+    #[pyo3(signature = (channel, kind, count = 1, partial = 0, errno = 0, delay_ms = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn _inject_fault(
         &self,
         py: Python<'_>,
@@ -437,8 +482,10 @@ impl PyEngine {
         count: u32,
         partial: usize,
         errno: i32,
+        delay_ms: u64,
     ) -> PyResult<()> {
         let point = match kind {
+            "sync" if delay_ms != 0 => FaultPoint::SyncDelay { ms: delay_ms },
             "write" if errno != 0 => FaultPoint::WriteErrno { partial, errno },
             "sync" if errno != 0 => FaultPoint::SyncErrno { errno },
             "write" => FaultPoint::Write { partial },
@@ -1533,6 +1580,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RecordIter>()?;
     m.add_class::<Subscription>()?;
     m.add_class::<EphemeralClient>()?;
+    m.add_class::<receipt::Receipt>()?;
+    m.add_class::<receipt::Completer>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_position, m)?)?;
     m.add_function(wrap_pyfunction!(read_stats, m)?)?;
