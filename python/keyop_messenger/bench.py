@@ -116,6 +116,12 @@ class Suite:
         adds configuration sections."""
         import keyop_messenger as km
 
+        return km.Messenger(self.config(sync_interval_ms, **extra))
+
+    def config(self, sync_interval_ms: int, **extra: Any) -> Any:
+        """The configuration of :meth:`messenger`."""
+        import keyop_messenger as km
+
         doc: dict[str, Any] = {
             "name": "bench",
             "storage": {
@@ -125,7 +131,7 @@ class Suite:
             },
         }
         doc.update(extra)
-        return km.Messenger(km.Config.from_dict(doc))
+        return km.Config.from_dict(doc)
 
     def value(self, key: str, value: float, decimals: int = 1) -> None:
         """A figure in the JSON only."""
@@ -241,6 +247,57 @@ class Suite:
             for t in pool:
                 t.join()
             return clock.sample(sum(counts))
+
+    def publish_main_thread(self) -> Sample:
+        """Durable publishes per second from the main thread (which waits for
+        the committer thread in slices, so Ctrl-C is honoured)."""
+        with self.messenger(0) as m:
+            publish = m.publish
+
+            def burst() -> int:
+                for _ in range(100):
+                    publish("bench", TYPE, PAYLOAD)
+                return 100
+
+            return _rate(self.seconds, burst)
+
+    def publish_pipelined(self, window: int = 256) -> Sample:
+        """Durable publishes per second from one thread with ``wait=False``:
+        ``window`` receipts in flight, each waited for."""
+        with self.messenger(0) as m:
+            publish = m.publish
+
+            def burst() -> int:
+                receipts = [publish("bench", TYPE, PAYLOAD, wait=False) for _ in range(window)]
+                for r in receipts:
+                    r.wait()
+                return window
+
+            return _rate(self.seconds, burst)
+
+    def publish_asyncio(self, tasks: int) -> Sample:
+        """Durable publishes per second from ``tasks`` asyncio tasks of one
+        AsyncMessenger, each awaiting one publish at a time."""
+        import asyncio
+
+        from .aio import AsyncMessenger
+
+        async def main() -> Sample:
+            async with AsyncMessenger(self.config(0)) as am:
+                await am.publish("bench", TYPE, PAYLOAD)
+                stop = time.perf_counter() + self.seconds
+                counts = [0] * tasks
+
+                async def task(i: int) -> None:
+                    while time.perf_counter() < stop:
+                        await am.publish("bench", TYPE, PAYLOAD)
+                        counts[i] += 1
+
+                clock = _Stopwatch()
+                await asyncio.gather(*(task(i) for i in range(tasks)))
+                return clock.sample(sum(counts))
+
+        return asyncio.run(main())
 
     def publish_batch(self, size: int) -> Sample:
         """Messages per second of durable ``publish_batch`` calls of ``size`` messages."""
@@ -668,6 +725,7 @@ def run(
                           "target >= 10 x")
             suite.record(f"publish_durable_{threads}_per_s", rate.per_s,
                          f"durable publish, {threads} thread(s)", ratio)
+        _publish_without_blocking(suite, runs, durable[1])
         batch = {s: _median(runs, partial(suite.publish_batch, s)) for s in (10, 100, 1000)}
         for size, rate in batch.items():
             suite.record(f"publish_batch_{size}_durable_per_s", rate.per_s,
@@ -720,6 +778,25 @@ def run(
         if one_core:
             one_core_comparison(suite, quick)
     return suite.results, suite.rows
+
+
+def _publish_without_blocking(suite: Suite, runs: int, one_thread: Sample) -> None:
+    """Durable publish from the main thread, pipelined, and from asyncio tasks."""
+    main = _median(runs, suite.publish_main_thread)
+    suite.record("publish_durable_main_thread_per_s", main.per_s,
+                 "durable publish, main thread (Ctrl-C honoured)",
+                 f"{main.per_s / one_thread.per_s:.2f} x 1 thread (a hand-off per commit)")
+    piped = _median(runs, suite.publish_pipelined)
+    suite.record("publish_durable_pipelined_per_s", piped.per_s,
+                 "durable publish(wait=False), 1 thread, 256 in flight",
+                 f"{piped.per_s / one_thread.per_s:.1f} x 1 thread; target >= 10 x")
+    aio1 = _median(runs, partial(suite.publish_asyncio, 1))
+    suite.record("publish_durable_asyncio_1_per_s", aio1.per_s,
+                 "durable publish, 1 asyncio task", "")
+    aio16 = _median(runs, partial(suite.publish_asyncio, 16))
+    suite.record("publish_durable_asyncio_16_per_s", aio16.per_s,
+                 "durable publish, 16 asyncio tasks",
+                 f"{aio16.per_s / aio1.per_s:.1f} x 1 task; target >= 10 x")
 
 
 def _per_core(cpu_us: float) -> str:
