@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +153,57 @@ def test_status_counts_refusals_of_client_links() -> None:
         {
             "addr": "hub:7740", "state": "disconnected", "reconnects": 2,
             "failed_attempts": 4, "unacked_bytes": 10, "refused": {"temps": 3, "alerts": 1},
-            "refused_channels": ["secret"],
+            "refused_channels": ["secret"], "refused_subscriptions": [],
         }
     ]  # fmt: skip
     assert status["refused"] == {
         "connections_rejected": 0, "client_failed_attempts": 4, "records_refused_by_hubs": 4,
     }  # fmt: skip
     assert status["peers"] == [] and "hub" not in status
+
+
+def test_status_rates_come_from_successive_requests() -> None:
+    from keyop_messenger.health import RATE_WINDOW_S, _Rates
+
+    rates = _Rates()
+    none = (None, None)
+    assert rates.update(100.0, {"a": (0, 0)}) == {"a": none}  # nothing to compare with
+    assert rates.update(102.0, {"a": (10, 1000), "b": (1, 5)}) == {
+        "a": (5.0, 500.0), "b": none,  # b is new
+    }  # fmt: skip
+    # Within the window the rate spans from its oldest sample.
+    assert rates.update(104.0, {"a": (20, 2000)})["a"] == (5.0, 500.0)
+    # Requests further apart than the window: from the newest sample, however old.
+    later = 104.0 + 4 * RATE_WINDOW_S
+    assert rates.update(later, {"a": (60, 2000)})["a"] == (1.0, 0.0)
+    # Counters that went back (the process restarted): no rate.
+    assert rates.update(later + 1, {"a": (0, 0)})["a"] == none
+
+
+def test_status_shows_last_message_rates_and_lag(tmp_path: Path) -> None:
+    with Messenger(_metrics_config(tmp_path)) as m:
+        assert m.metrics_address is not None
+        base = f"http://127.0.0.1:{m.metrics_address[1]}"
+        m.publish("orders", "order", {"n": 0})
+        sub = m.subscribe("orders", "billing", lambda _: None, start="earliest")
+        poll(lambda: sub.position == m.stream_end("orders"), "billing caught up")
+        sub.close()
+        first = http_json(base + "/status")
+        (orders,) = [c for c in first["channels"] if c["name"] == "orders"]
+        assert orders["messages_per_s"] is None  # the first request has nothing before it
+        m.publish("orders", "order", {"n": 1})
+        m.publish("orders", "order", {"n": 2})
+        time.sleep(0.3)  # the next request must be a new sample (0.2 s apart at least)
+        status = http_json(base + "/status")
+        (orders,) = [c for c in status["channels"] if c["name"] == "orders"]
+        *_, last = m.read_channel("orders")
+        stamp = last.message.timestamp.isoformat().replace("+00:00", "Z")
+        assert orders["last_message_at"] == stamp
+        (stats,) = [c for c in m.stats().channels if c.name == "orders"]
+        assert stats.last_message == last.message.timestamp
+        assert orders["messages_per_s"] > 0 and orders["bytes_per_s"] > 0
+        (billing,) = orders["subscribers"]
+        assert billing["lag_bytes"] == m.stream_end("orders") - sub.position > 0
+        assert billing["lag_s"] is not None and billing["lag_s"] >= 0
+        assert billing["active"] is False
+        assert status["rate_window_s"] > 0 and status["now"].endswith("Z")

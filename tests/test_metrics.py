@@ -279,8 +279,10 @@ def test_server_serves_metrics_and_404s_elsewhere() -> None:
         _, samples = parse(body)
         assert value(samples, "keyop_messages_published_total", channel="orders") == 42
         assert get(f"http://127.0.0.1:{port}/metrics?x=1")[0] == 200
-        for path in ("/", "/metricsx", "/favicon.ico"):
+        for path in ("/metricsx", "/favicon.ico", "/static/status.html"):
             assert get(f"http://127.0.0.1:{port}{path}")[0] == 404, path
+        # "/" is the status page (tests/test_status_page.py).
+        assert get(f"http://127.0.0.1:{port}/")[:2] == (200, "text/html; charset=utf-8")
         source.result = RuntimeError("closed")
         assert get(server.url)[0] == 503
     with pytest.raises(OSError):

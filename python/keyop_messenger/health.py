@@ -8,7 +8,10 @@ on the metrics listener answer (``docs/service.md``).
 * ``/status``: a JSON document built from ``Messenger.stats()`` and
   ``Messenger.federation_status()`` (the figures ``keyop-messenger stats``
   prints) with the version, uptime, the last logged warning or error and the
-  refused connection counts.
+  refused connection counts; per channel also the newest record's time and
+  rates (messages/s, bytes/s) over the last :data:`RATE_WINDOW_S` seconds of
+  ``/status`` requests, per subscriber its lag in seconds. The status page
+  (``/`` on the metrics listener) polls it.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import threading
 import time
 from typing import Any, Protocol
 
-__all__ = ["Health", "HealthSource"]
+__all__ = ["RATE_WINDOW_S", "Health", "HealthSource"]
 
 STARTING, READY, STOPPING = "starting", "ready", "stopping"
+
+RATE_WINDOW_S = 10.0
+"""Seconds of counter samples (one per ``/status`` request) a channel's rates span."""
 
 
 class HealthSource(Protocol):
@@ -76,6 +82,42 @@ def _problems() -> _LastProblem:
         return _PROBLEMS
 
 
+class _Rates:
+    """Per-channel rates from the counters of successive ``/status`` requests:
+    the change since the oldest sample kept (at most :data:`RATE_WINDOW_S`
+    seconds old, or else the newest one) divided by the time between.
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._samples: list[tuple[float, dict[str, tuple[int, int]]]] = []
+        self._lock = threading.Lock()
+
+    def update(
+        self, now: float, counts: dict[str, tuple[int, int]]
+    ) -> dict[str, tuple[float | None, float | None]]:
+        """Records ``{channel: (messages, bytes)}`` at ``now`` (monotonic seconds);
+        returns ``{channel: (messages/s, bytes/s)}``, ``(None, None)`` for a
+        channel without an earlier sample (or with counters that went back)."""
+        with self._lock:
+            recent = [s for s in self._samples if now - s[0] <= RATE_WINDOW_S]
+            self._samples = recent or self._samples[-1:]
+            base = self._samples[0] if self._samples else None
+            if not self._samples or now - self._samples[-1][0] >= 0.2:
+                self._samples.append((now, counts))
+        rates: dict[str, tuple[float | None, float | None]] = {}
+        for name, (messages, size) in counts.items():
+            before = None if base is None else base[1].get(name)
+            elapsed = 0.0 if base is None else now - base[0]
+            if before is None or elapsed <= 0 or messages < before[0] or size < before[1]:
+                rates[name] = (None, None)
+            else:
+                rates[name] = (
+                    round((messages - before[0]) / elapsed, 3),
+                    round((size - before[1]) / elapsed, 3),
+                )
+        return rates
+
+
 class Health:
     """The state (``starting`` -> ``ready`` -> ``stopping``) of one serving
     messenger, its readiness and its status document. Thread-safe.
@@ -91,6 +133,7 @@ class Health:
         self._started = time.monotonic()
         self._started_at = datetime.datetime.now(datetime.timezone.utc)
         self._problems = _problems()
+        self._rates = _Rates()
 
     @property
     def state(self) -> str:
@@ -129,12 +172,14 @@ class Health:
         ready, reason = self.readiness()
         doc: dict[str, Any] = {
             "version": __version__,
+            "now": _iso(datetime.datetime.now(datetime.timezone.utc)),
             "name": getattr(getattr(self.source, "config", None), "name", None),
             "state": self._state,
             "ready": ready,
             "reason": reason,
             "started_at": _iso(self._started_at),
             "uptime_s": round(time.monotonic() - self._started, 3),
+            "rate_window_s": RATE_WINDOW_S,
             "channels": [],
             "peers": [],
             "links": [],
@@ -149,7 +194,7 @@ class Health:
         source = self.source
         if source is None or not ready:
             return doc
-        _fill(doc, source)
+        _fill(doc, source, self._rates)
         return doc
 
 
@@ -159,18 +204,33 @@ def _data_dir(source: HealthSource) -> str | None:
     return data_dir if isinstance(data_dir, str) and data_dir else None
 
 
-def _fill(doc: dict[str, Any], source: HealthSource) -> None:
+def _lag_s(oldest_pending: datetime.datetime | None, now: datetime.datetime) -> float | None:
+    if oldest_pending is None:
+        return None
+    return round(max(0.0, (now - oldest_pending).total_seconds()), 3)
+
+
+def _fill(doc: dict[str, Any], source: HealthSource, rates: _Rates) -> None:
     stats = source.stats()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    per_channel = rates.update(
+        time.monotonic(),
+        {c.name: (c.messages_published, c.stream_bytes) for c in stats.channels},
+    )
     doc["channels"] = [
         {
             "name": c.name,
             "end_offset": c.stream_bytes,
             "disk_bytes": c.disk_bytes,
             "messages_published": c.messages_published,
+            "last_message_at": _iso(getattr(c, "last_message", None)),
+            "messages_per_s": per_channel[c.name][0],
+            "bytes_per_s": per_channel[c.name][1],
             "subscribers": [
                 {
                     "id": s.id,
                     "lag_bytes": s.lag_bytes,
+                    "lag_s": _lag_s(s.oldest_pending, now),
                     "oldest_pending": _iso(s.oldest_pending),
                     "active": s.active,
                 }
@@ -192,6 +252,7 @@ def _fill(doc: dict[str, Any], source: HealthSource) -> None:
     fed_status = getattr(source, "federation_status", None)
     clients = fed_status().clients if callable(fed_status) else []
     failed = {c.addr: c.failed_attempts for c in clients}
+    refused_subs = {c.addr: list(c.refused_subscriptions) for c in clients}
     doc["links"] = [
         {
             "addr": link.addr,
@@ -201,6 +262,7 @@ def _fill(doc: dict[str, Any], source: HealthSource) -> None:
             "unacked_bytes": link.unacked_bytes,
             "refused": dict(getattr(link, "refused", {})),
             "refused_channels": list(getattr(link, "refused_channels", [])),
+            "refused_subscriptions": refused_subs.get(link.addr, []),
         }
         for link in stats.federation.links
     ]

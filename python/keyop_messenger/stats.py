@@ -51,6 +51,8 @@ class ChannelStats:
     disk_bytes: int
     """Bytes of the segment files currently on disk."""
     subscribers: list[SubscriberStats] = field(default_factory=list)
+    last_message: datetime.datetime | None = None
+    """Publish time of the newest record, if the channel holds any."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ def stats_from_engine(raw: dict[str, Any]) -> Stats:
                 SubscriberStats(id=i, lag_bytes=lag, oldest_pending=_at(ns), active=active)
                 for i, lag, ns, active in c["subscribers"]
             ],
+            last_message=_at(c.get("last_message_nanos")),
         )
         for c in raw["channels"]
     ]

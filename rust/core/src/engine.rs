@@ -917,6 +917,9 @@ fn channel_snapshots(
             name,
             stream_bytes,
             disk_bytes,
+            last_message_nanos: crate::storage::timeindex::last_record_ts(&dir, stream_bytes)
+                .ok()
+                .flatten(),
             subscribers,
         });
     }

@@ -107,6 +107,8 @@ pub struct ChannelSnapshot {
     pub messages_published: u64,
     pub stream_bytes: u64,
     pub disk_bytes: u64,
+    /// Publish time (ns since the epoch) of the newest record, if any.
+    pub last_message_nanos: Option<i64>,
     pub subscribers: Vec<SubscriberSnapshot>,
 }
 

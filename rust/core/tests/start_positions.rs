@@ -13,7 +13,9 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use keyop_core::envelope::{encode_record, format_ts, new_id, Header};
 use keyop_core::storage::segment::segment_path;
-use keyop_core::storage::timeindex::{resolve, PositionError, SeekCost, StartPosition};
+use keyop_core::storage::timeindex::{
+    last_record_ts, resolve, PositionError, SeekCost, StartPosition,
+};
 use keyop_core::storage::Item;
 use keyop_core::{
     read_channel, BatchOutcome, Delivery, Engine, Envelope, Error, Handler, Outgoing, StoreConfig,
@@ -185,6 +187,31 @@ fn a_torn_tail_is_not_a_record() {
     std::io::Write::write_all(&mut f, b"{\"v\":1,\"id\":\"torn").unwrap();
     assert_eq!(seek(&dir, StartPosition::Latest).0, end);
     assert_eq!(seek(&dir, StartPosition::Time(i64::MAX)).0, end);
+}
+
+#[test]
+fn last_record_ts_is_the_newest_record_within_the_limit() {
+    let tmp = TempDir::new().unwrap();
+    let dir = tmp.path().join(CH);
+    fs::create_dir_all(&dir).unwrap();
+    assert_eq!(last_record_ts(&dir, u64::MAX).unwrap(), None);
+    let (offsets, end) = write_channel(&dir, 3, 10);
+    let n = offsets.len();
+    assert_eq!(last_record_ts(&dir, u64::MAX).unwrap(), Some(ts_of(n - 1)));
+    // A limit (a writer's committed end) hides the records after it.
+    assert_eq!(
+        last_record_ts(&dir, offsets[n - 1]).unwrap(),
+        Some(ts_of(n - 2))
+    );
+    // A torn tail is not a record; an empty newest segment (just rolled) is skipped.
+    let mut f = fs::OpenOptions::new()
+        .append(true)
+        .open(segment_path(&dir, offsets[20]))
+        .unwrap();
+    std::io::Write::write_all(&mut f, b"{\"v\":1,\"id\":\"torn").unwrap();
+    assert_eq!(last_record_ts(&dir, u64::MAX).unwrap(), Some(ts_of(n - 1)));
+    fs::write(segment_path(&dir, end + 17), b"").unwrap();
+    assert_eq!(last_record_ts(&dir, u64::MAX).unwrap(), Some(ts_of(n - 1)));
 }
 
 // ---------------------------------------------------------------------------

@@ -1497,6 +1497,7 @@ fn channels_to_py(
         d.set_item("messages_published", c.messages_published)?;
         d.set_item("stream_bytes", c.stream_bytes)?;
         d.set_item("disk_bytes", c.disk_bytes)?;
+        d.set_item("last_message_nanos", c.last_message_nanos)?;
         let subs = pyo3::types::PyList::empty(py);
         for s in c.subscribers {
             subs.append((s.id, s.lag_bytes, s.oldest_pending_nanos, s.active))?;

@@ -174,6 +174,29 @@ impl Segments {
     }
 }
 
+/// Publish time (`ts`, Unix nanoseconds) of the last record of the channel
+/// in `dir` that ends at or before `limit` (a writer's committed end, or
+/// `u64::MAX`); `None` when the channel holds no record or the last one cannot
+/// be parsed. Reads one window of the newest non-empty segment (looking back
+/// at most a few segments, as a roll leaves the newest one empty).
+pub fn last_record_ts(dir: &Path, limit: u64) -> io::Result<Option<i64>> {
+    let mut cost = SeekCost::default();
+    let starts = segment::list_segments(dir)?;
+    for &start in starts.iter().rev().filter(|&&s| s < limit).take(3) {
+        let file = match File::open(segment::segment_path(dir, start)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        let len = file.metadata()?.len().min(limit - start);
+        let len = complete_len(&file, len, &mut cost)?;
+        if len > 0 {
+            return Ok(last_ts(&file, len, &mut cost)?.map(|(_, ts)| ts));
+        }
+    }
+    Ok(None)
+}
+
 /// Position in a segment of `len` bytes of whole records of the first record
 /// with `ts >= t`, or `len`.
 fn seek_in_segment(file: &File, len: u64, t: i64, cost: &mut SeekCost) -> io::Result<u64> {
