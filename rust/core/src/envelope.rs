@@ -479,7 +479,7 @@ impl TsBuf {
         let mut len = 19;
         if nanos != 0 {
             let mut width = 9;
-            while nanos.is_multiple_of(10) {
+            while nanos % 10 == 0 {
                 nanos /= 10;
                 width -= 1;
             }
