@@ -56,6 +56,7 @@ pub struct Engine {
     /// echoes coming back from a hub are dropped.
     seen: OnceLock<Arc<SeenIds>>,
     federation: Mutex<Option<Federation>>,
+    gateway: Mutex<Option<crate::gateway::Gateway>>,
     stats: Arc<EngineStats>,
     /// The process that opened it: a forked child may not use it.
     owner: Owner,
@@ -88,6 +89,7 @@ impl Engine {
             retention: Mutex::new(None),
             seen: OnceLock::new(),
             federation: Mutex::new(None),
+            gateway: Mutex::new(None),
             stats: Arc::new(EngineStats::default()),
         })
     }
@@ -548,6 +550,31 @@ impl Engine {
         Ok(())
     }
 
+    /// Starts the HTTP gateway of `cfg` (see [`crate::gateway::Gateway::start`]).
+    pub fn start_gateway(
+        self: &Arc<Self>,
+        cfg: crate::gateway::GatewayConfig,
+    ) -> Result<(), Error> {
+        self.check_open()?;
+        let mut slot = self.gateway.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() {
+            return Err(Error::Config("the gateway is already running".into()));
+        }
+        let gw = crate::gateway::Gateway::start(Arc::downgrade(self), cfg)
+            .map_err(|e| Error::Config(format!("gateway: {e}")))?;
+        *slot = Some(gw);
+        Ok(())
+    }
+
+    /// Runs `f` on the running gateway, if any.
+    pub fn with_gateway<T>(&self, f: impl FnOnce(&crate::gateway::Gateway) -> T) -> Option<T> {
+        self.gateway
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(f)
+    }
+
     /// `flush()`: syncs every channel; returns what hubs must still acknowledge.
     pub fn flush_start(&self) -> Result<Vec<crate::federation::flush::FlushTarget>, Error> {
         self.check_open()?;
@@ -592,6 +619,14 @@ impl Engine {
         }
         let started = Instant::now();
         self.closed.store(true, Ordering::Release);
+        let gateway = self
+            .gateway
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(mut gw) = gateway {
+            gw.stop();
+        }
         let fed = self
             .federation
             .lock()
@@ -633,6 +668,14 @@ impl Engine {
             .take()
         {
             std::mem::forget(fed);
+        }
+        if let Some(gw) = self
+            .gateway
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            std::mem::forget(gw);
         }
         for (_, s) in self.subs().drain() {
             std::mem::forget(s);
