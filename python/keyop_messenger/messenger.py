@@ -112,6 +112,12 @@ class Messenger(_core.MessengerBase, _SyncContext):
             except BaseException:
                 self.close()
                 raise
+        if config.gateway.enabled:
+            try:
+                self._engine.start_gateway(json.dumps(_gateway_settings(config)))
+            except BaseException:
+                self.close()
+                raise
         if config.metrics.listen_addr:
             try:
                 self._metrics = MetricsServer(self, config.metrics.listen_addr).start()
@@ -153,6 +159,12 @@ class Messenger(_core.MessengerBase, _SyncContext):
     def hub_address(self) -> tuple[str, int] | None:
         """``(host, port)`` the hub listens on (useful with port 0), or None."""
         return self._engine.hub_address
+
+    @property
+    def gateway_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the HTTP gateway listens on (useful with port 0), or
+        None when ``gateway.enabled`` is false."""
+        return self._engine.gateway_address
 
     def stats(self) -> Stats:
         """A typed snapshot: per channel (messages published since open, stream
@@ -467,6 +479,29 @@ def _federation_settings(config: Config) -> dict[str, Any]:
         "audit_max_size_mb": config.audit.max_size_mb,
         "audit_max_files": config.audit.max_files,
     }
+
+
+def _gateway_settings(config: Config) -> dict[str, Any]:
+    """The engine's gateway settings, from a validated config."""
+    gw = config.gateway
+    return {
+        "listen_addr": gw.listen_addr,
+        "tls": dataclasses.asdict(config.tls),
+        "allowed_peers": [dataclasses.asdict(p) for p in config.hub.allowed_peers],
+        "tokens": [dataclasses.asdict(t) for t in gw.tokens],
+        "max_body_bytes": gw.max_body_bytes,
+        "rate_limit_per_s": float(gw.rate_limit_per_s),
+        "rate_limit_burst": gw.rate_limit_burst,
+        "max_streams": gw.max_streams,
+        "max_connections": gw.max_connections,
+        "header_timeout_ms": _ms(gw.header_timeout),
+        "idle_timeout_ms": _ms(gw.idle_timeout),
+        "max_wait_ms": _ms(gw.max_wait),
+    }
+
+
+def _ms(d: datetime.timedelta) -> int:
+    return max(1, int(d.total_seconds() * 1000))
 
 
 def read_channel(

@@ -560,7 +560,8 @@ impl Engine {
         if slot.is_some() {
             return Err(Error::Config("the gateway is already running".into()));
         }
-        let gw = crate::gateway::Gateway::start(Arc::downgrade(self), cfg)
+        let backend: Arc<dyn crate::gateway::Backend> = self.clone();
+        let gw = crate::gateway::Gateway::start(Arc::downgrade(&backend), cfg)
             .map_err(|e| Error::Config(format!("gateway: {e}")))?;
         *slot = Some(gw);
         Ok(())
@@ -689,6 +690,45 @@ impl Engine {
             std::mem::forget(r);
         }
         std::mem::forget(self.store.clone());
+    }
+}
+
+impl crate::gateway::Backend for Engine {
+    fn instance_name(&self) -> String {
+        self.origin.clone()
+    }
+
+    fn publish(
+        &self,
+        channel: &str,
+        items: &[crate::gateway::Item<'_>],
+    ) -> Result<Vec<(String, u64)>, Error> {
+        let items: Vec<Outgoing<'_>> = items
+            .iter()
+            .map(|i| Outgoing {
+                payload_type: i.payload_type,
+                payload_json: i.payload_json,
+                service_name: i.service_name,
+                correlation_id: i.correlation_id,
+            })
+            .collect();
+        Ok(self
+            .publish_batch(channel, &items)?
+            .into_iter()
+            .map(|p| (p.id, p.offset))
+            .collect())
+    }
+
+    fn open_reader(
+        &self,
+        channel: &str,
+        pos: StartPosition,
+    ) -> Result<(LogReader, Arc<ChannelWriter>), Error> {
+        self.check_open()?;
+        validate_name(NameKind::Channel, channel)?;
+        self.store.writer(channel)?;
+        let at = self.resolve_position(channel, pos)?;
+        self.read(channel, at)
     }
 }
 

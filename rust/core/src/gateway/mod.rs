@@ -13,6 +13,8 @@
 pub mod auth;
 mod conn;
 mod http;
+mod publish;
+mod reply;
 mod stream;
 mod ws;
 
@@ -25,10 +27,41 @@ use serde::Deserialize;
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::Engine;
 use crate::federation::{self, AllowedPeer, FedError, TlsSettings};
+use crate::storage::{ChannelWriter, LogReader};
+use crate::StartPosition;
 
 pub use auth::{token_hash, TokenEntry};
+
+/// One message to publish (its payload compact JSON).
+#[derive(Debug, Clone, Copy)]
+pub struct Item<'a> {
+    pub payload_type: &'a str,
+    pub payload_json: &'a [u8],
+    pub service_name: Option<&'a str>,
+    pub correlation_id: Option<&'a str>,
+}
+
+/// What the gateway needs of the messenger (the engine implements it, so
+/// the gateway does not depend on the engine module).
+pub trait Backend: Send + Sync {
+    /// The instance name.
+    fn instance_name(&self) -> String;
+    /// Publishes `items` as one group through the channel writer; returns
+    /// `(id, offset)` of each once committed.
+    fn publish(
+        &self,
+        channel: &str,
+        items: &[Item<'_>],
+    ) -> Result<Vec<(String, u64)>, crate::Error>;
+    /// A reader of `channel` (created if missing, as a subscribe does) at
+    /// `pos`, and its writer.
+    fn open_reader(
+        &self,
+        channel: &str,
+        pos: StartPosition,
+    ) -> Result<(LogReader, Arc<ChannelWriter>), crate::Error>;
+}
 
 /// The `gateway` section, with `tls` and `hub.allowed_peers` beside it.
 #[derive(Debug, Clone, Deserialize)]
@@ -117,7 +150,7 @@ impl GatewayCounters {
 
 /// State shared by the gateway's tasks.
 pub(crate) struct State {
-    pub engine: Weak<Engine>,
+    pub engine: Weak<dyn Backend>,
     pub cfg: GatewayConfig,
     pub counters: Arc<GatewayCounters>,
     pub limiter: auth::RateLimiter,
@@ -137,13 +170,13 @@ pub struct Gateway {
 impl Gateway {
     /// Loads the TLS files and binds the listener (errors surface here),
     /// then serves in the background.
-    pub fn start(engine: Weak<Engine>, cfg: GatewayConfig) -> Result<Gateway, FedError> {
+    pub fn start(engine: Weak<dyn Backend>, cfg: GatewayConfig) -> Result<Gateway, FedError> {
         if cfg.listen_addr.is_empty() {
             return Err(FedError::Config("gateway.listen_addr is not set".into()));
         }
         let name = engine
             .upgrade()
-            .map(|e| e.origin().to_owned())
+            .map(|e| e.instance_name())
             .unwrap_or_default();
         let tls = federation::load_tls(&name, &cfg.tls)?
             .gateway_server_config()

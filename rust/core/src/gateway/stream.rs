@@ -15,9 +15,8 @@ use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-use super::http::{self, Body, Refusal};
+use super::reply::{self as http, Body, Refusal};
 use super::State;
-use crate::engine::Engine;
 use crate::envelope::Envelope;
 use crate::storage::{ChannelWriter, Item, LogReader};
 use crate::StartPosition;
@@ -84,14 +83,14 @@ pub(super) fn take_slot(state: &Arc<State>) -> Result<Slot, Refusal> {
     })
 }
 
-/// The engine, a reader of `channel` at `pos` and its writer. Reading a
-/// channel creates it (as a local subscribe does), so a client may listen
-/// before the first message.
+/// A reader of `channel` at `pos` and its writer. Reading a channel
+/// creates it (as a local subscribe does), so a client may listen before
+/// the first message.
 pub(super) fn open_reader(
     state: &State,
     channel: &str,
     pos: StartPosition,
-) -> Result<(Arc<Engine>, LogReader, Arc<ChannelWriter>), Refusal> {
+) -> Result<(LogReader, Arc<ChannelWriter>), Refusal> {
     let engine = state.engine.upgrade().ok_or_else(|| {
         Refusal::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -99,14 +98,9 @@ pub(super) fn open_reader(
             "the messenger is closed",
         )
     })?;
-    let opened = (|| {
-        engine.check_process()?;
-        engine.store().writer(channel)?;
-        let at = engine.resolve_position(channel, pos)?;
-        engine.read(channel, at)
-    })();
-    let (reader, writer) = opened.map_err(|e| http::engine_refusal(&e))?;
-    Ok((engine, reader, writer))
+    engine
+        .open_reader(channel, pos)
+        .map_err(|e| http::engine_refusal(&e))
 }
 
 /// One readable item of a channel, as clients see it.
@@ -184,8 +178,7 @@ pub(super) async fn sse(
         None => parse_position(http::param(&q, "from").unwrap_or("latest"))?,
     };
     let slot = take_slot(state)?;
-    let (engine, reader, writer) = open_reader(state, channel, pos)?;
-    drop(engine);
+    let (reader, writer) = open_reader(state, channel, pos)?;
     let (tx, rx) = mpsc::channel::<Bytes>(4);
     let st = state.clone();
     tokio::spawn(async move {
@@ -304,8 +297,7 @@ pub(super) async fn long_poll(
     }
     .min(http::max_wait(state));
     let _slot = take_slot(state)?;
-    let (engine, mut reader, writer) = open_reader(state, channel, pos)?;
-    drop(engine);
+    let (mut reader, writer) = open_reader(state, channel, pos)?;
     let deadline = tokio::time::Instant::now() + wait;
     let events = loop {
         let events = tokio::task::block_in_place(|| read_events(&mut reader, &writer, limit))

@@ -20,7 +20,8 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-use super::http::{self, Body, Refusal};
+use super::publish;
+use super::reply::{self as http, Body, Refusal};
 use super::stream::{self, Event};
 use super::State;
 use crate::storage::{ChannelWriter, LogReader};
@@ -48,7 +49,7 @@ pub(super) fn upgrade(
     let pos = stream::parse_position(http::param(&q, "from").unwrap_or("latest"))?;
     let slot = stream::take_slot(state)?;
     let reader = if may_subscribe {
-        let (_, reader, writer) = stream::open_reader(state, channel, pos)?;
+        let (reader, writer) = stream::open_reader(state, channel, pos)?;
         Some((reader, writer))
     } else {
         None
@@ -220,10 +221,10 @@ async fn publish_frame(
         o.remove("ref");
     }
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
-    match http::publish_body(state, channel, &bytes, None).await {
+    match publish::publish_body(state, channel, &bytes, None).await {
         Ok(p) => {
-            let ids: Vec<&str> = p.iter().map(|p| p.id.as_str()).collect();
-            let offsets: Vec<u64> = p.iter().map(|p| p.offset).collect();
+            let ids: Vec<&str> = p.iter().map(|p| p.0.as_str()).collect();
+            let offsets: Vec<u64> = p.iter().map(|p| p.1).collect();
             serde_json::json!({"type": "published", "ref": reference, "ids": ids, "offsets": offsets})
         }
         Err(r) => {
