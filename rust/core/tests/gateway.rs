@@ -520,3 +520,24 @@ fn close_stops_the_gateway() {
     let refused = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5));
     assert!(refused.is_err(), "nothing listens after close");
 }
+
+#[test]
+fn an_idle_connection_is_closed_and_counted() {
+    let f = start(|c| {
+        c.idle_timeout_ms = 400;
+        c.header_timeout_ms = 60_000;
+    });
+    f.rt.block_on(async {
+        let mut s = f.tls(None).await;
+        // One complete request on a keep-alive connection, then silence.
+        s.write_all(b"GET /v1/openapi.json HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut raw = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw)).await;
+        assert!(closed.is_ok(), "the server closed the idle connection");
+        assert!(String::from_utf8_lossy(&raw).starts_with("HTTP/1.1 200"));
+    });
+    let c = f.engine.with_gateway(|g| g.counters().snapshot()).unwrap();
+    assert_eq!(c.iter().find(|(n, _)| *n == "timed_out").unwrap().1, 1);
+}

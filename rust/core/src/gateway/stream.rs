@@ -22,8 +22,11 @@ use crate::storage::{ChannelWriter, Item, LogReader};
 use crate::StartPosition;
 
 /// Interval of SSE comments on a quiet stream (keeps proxies and the idle
-/// timeout from closing it while the client reads).
-const HEARTBEAT: Duration = Duration::from_secs(15);
+/// timeout from closing it while the client reads): 15 s, or a third of a
+/// shorter idle timeout.
+fn heartbeat(state: &State) -> Duration {
+    Duration::from_secs(15).min(Duration::from_millis(state.cfg.idle_timeout_ms.max(3) / 3))
+}
 /// Records read per step of a stream.
 const STEP: usize = 256;
 /// Largest `limit` of a long poll.
@@ -253,7 +256,7 @@ async fn sse_loop(
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
-            _ = tokio::time::sleep(HEARTBEAT) => {
+            _ = tokio::time::sleep(heartbeat(&state)) => {
                 if tx.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
                     return;
                 }

@@ -148,7 +148,7 @@ async fn run<S>(
                     }
                 }
             }
-            _ = tokio::time::sleep(PING) => {
+            _ = tokio::time::sleep(PING.min(idle / 3)) => {
                 if last_heard.elapsed() > idle {
                     state.counters.timed_out.fetch_add(1, Ordering::Relaxed);
                     let _ = sink.close().await;
