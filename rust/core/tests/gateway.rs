@@ -541,3 +541,56 @@ fn an_idle_connection_is_closed_and_counted() {
     let c = f.engine.with_gateway(|g| g.counters().snapshot()).unwrap();
     assert_eq!(c.iter().find(|(n, _)| *n == "timed_out").unwrap().1, 1);
 }
+
+#[test]
+fn websocket_refuses_publishing_outside_the_lists_and_stores_nothing() {
+    let f = start(|c| c.tokens[0].publish = vec!["big".into()]);
+    f.rt.block_on(async {
+        // The token may read "sensors" and publish to "big" only: on a
+        // "sensors" WebSocket it reads, and its publish frames are refused.
+        let tls = f.tls(None).await;
+        let req = tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
+            "wss://localhost/v1/channels/sensors/ws",
+        )
+        .map(|mut r| {
+            r.headers_mut()
+                .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+            r
+        })
+        .unwrap();
+        let (mut ws, _) = tokio_tungstenite::client_async(req, tls).await.unwrap();
+        ws.send(tokio_tungstenite::tungstenite::Message::Text(
+            r#"{"ref":"a","payload_type":"t","payload":1}"#.into(),
+        ))
+        .await
+        .unwrap();
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(30), ws.next())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            if let tokio_tungstenite::tungstenite::Message::Text(t) = m {
+                let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+                assert_eq!(v["type"], "error", "{v}");
+                assert_eq!(v["status"], 403);
+                assert_eq!(v["ref"], "a");
+                break;
+            }
+        }
+        ws.close(None).await.ok();
+    });
+    assert_eq!(stream_end(&f.engine, "sensors", f._data.path()), 0);
+    // Without credentials the upgrade itself is refused.
+    let r = f.request(
+        None,
+        "GET",
+        "/v1/channels/sensors/ws",
+        &[
+            ("Upgrade", "websocket"),
+            ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
+        ],
+        "",
+    );
+    assert_eq!(r.status, 401);
+}
