@@ -18,7 +18,7 @@ import pytest
 
 import fed_helpers
 from gateway_helpers import TOKEN, Client, context, gateway_doc, open_gateway
-from keyop_messenger import Config, ConfigError
+from keyop_messenger import Config, ConfigError, Messenger
 from keyop_messenger._prometheus import render
 from keyop_messenger.cli import main as cli_main
 
@@ -224,3 +224,51 @@ def test_run_serves_the_gateway_until_sigterm(pki: fed_helpers.PKI, tmp_path: Pa
         assert proc.stop() == 0
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_sighup_replaces_tokens_of_a_running_gateway(
+    pki: fed_helpers.PKI, tmp_path: Path
+) -> None:
+    import signal
+
+    from keyop_messenger.cli.token import token_hash
+    from run_helpers import running, write_config
+
+    path = tmp_path / "gw.yaml"
+    doc = gateway_doc(pki, tmp_path / "data")
+    write_config(path, doc)
+    body = b'{"payload_type": "t", "payload": 1}'
+
+    def post(port: int, token: str) -> int:
+        conn = http.client.HTTPSConnection("localhost", port, context=context(pki), timeout=15)
+        conn.request("POST", "/v1/channels/sensors/messages", body=body,
+                     headers={"Authorization": f"Bearer {token}"})
+        status = conn.getresponse().status
+        conn.close()
+        return status
+
+    with running(["--config", str(path)]) as proc:
+        port = int(proc.wait_line(r"gateway: listening on https://127\.0\.0\.1:(\d+)").group(1))
+        proc.wait_ready()
+        assert post(port, TOKEN) == 201
+        doc["gateway"]["tokens"] = [
+            {"name": "new", "hash": token_hash("new-token"), "publish": ["sensors"]}
+        ]
+        write_config(path, doc)
+        proc.proc.send_signal(signal.SIGHUP)
+        proc.wait_line(r"SIGHUP: gateway access reloaded \(1 peers, 1 tokens\)")
+        assert post(port, TOKEN) == 401
+        assert post(port, "new-token") == 201
+        assert proc.stop() == 0
+
+
+def test_set_gateway_access_revokes_a_token(pki: fed_helpers.PKI, tmp_path: Path) -> None:
+    with open_gateway(pki, tmp_path / "data") as m:
+        c = Client(pki, m)
+        assert c.publish("sensors", {"payload_type": "t", "payload": 1})[0] == 201
+        m.set_gateway_access(m.config.hub.allowed_peers, [])
+        assert c.publish("sensors", {"payload_type": "t", "payload": 1})[0] == 401
+    plain_doc = {"name": "n", "storage": {"data_dir": str(tmp_path / "plain")}}
+    plain = Messenger(Config.from_dict(plain_doc))
+    with plain, pytest.raises(ConfigError):
+        plain.set_gateway_access([], [])

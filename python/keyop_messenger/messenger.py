@@ -16,7 +16,7 @@ from typing import Any
 from . import _core
 from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
-from .config import AllowedPeer, Config, TLSConfig
+from .config import AllowedPeer, Config, GatewayToken, TLSConfig
 from .config.loading import as_config
 from .context import _CONTEXT, resolve
 from .errors import ConfigError, send_batch, unicode_error
@@ -190,6 +190,19 @@ class Messenger(_core.MessengerBase, _SyncContext):
         and reconnect under the new list; returns their names.
         Raises :class:`FederationError` when the hub is not enabled."""
         return self._engine.set_allowed_peers(json.dumps([dataclasses.asdict(p) for p in peers]))
+
+    def set_gateway_access(
+        self, allowed_peers: list[AllowedPeer], tokens: list[GatewayToken]
+    ) -> None:
+        """Replaces the HTTP gateway's certificate clients (``hub.allowed_peers``)
+        and bearer tokens (``gateway.tokens``); ``keyop-messenger run`` does it on
+        SIGHUP. Every request from now on is checked against them; event streams
+        already open go on until they end. Raises :class:`ConfigError` when the
+        gateway is not running."""
+        self._engine.set_gateway_access(
+            json.dumps([dataclasses.asdict(p) for p in allowed_peers]),
+            json.dumps([dataclasses.asdict(t) for t in tokens]),
+        )
 
     def reload_tls(self, tls: TLSConfig) -> None:
         """Loads the certificate, key and CA files of ``tls`` again (``keyop-messenger

@@ -604,6 +604,24 @@ impl PyEngine {
         py.detach(|| self.engine.start_gateway(cfg)).py_err(py)
     }
 
+    /// Replaces the gateway's allowed peers and tokens (JSON lists).
+    /// Raises ConfigError when no gateway is running.
+    fn set_gateway_access(
+        &self,
+        py: Python<'_>,
+        peers_json: &str,
+        tokens_json: &str,
+    ) -> PyResult<()> {
+        let peers: Vec<keyop_core::federation::AllowedPeer> = serde_json::from_str(peers_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("hub.allowed_peers: {e}")))?;
+        let tokens: Vec<keyop_core::gateway::TokenEntry> = serde_json::from_str(tokens_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("gateway.tokens: {e}")))?;
+        self.engine
+            .with_gateway(|g| g.set_access(peers, tokens))
+            .ok_or_else(|| keyop_core::Error::Config("the gateway is not running".into()))
+            .py_err(py)
+    }
+
     /// `(host, port)` the gateway listens on, or None.
     #[getter]
     fn gateway_address(&self, py: Python<'_>) -> PyResult<Option<(String, u16)>> {

@@ -40,11 +40,16 @@ fn authenticate(
         })
         .map(|t| t.trim().to_owned());
     let token = bearer.or_else(|| param(&query(req), "access_token").map(str::to_owned));
+    let access = state
+        .access
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     auth::identify(
         client.cn.as_deref(),
         token.as_deref(),
-        &state.cfg.allowed_peers,
-        &state.cfg.tokens,
+        &access.peers,
+        &access.tokens,
     )
     .map_err(|e| match e {
         AuthError::Missing => Refusal::new(

@@ -148,8 +148,16 @@ impl GatewayCounters {
     }
 }
 
+/// Who may connect: `hub.allowed_peers` and `gateway.tokens`, replaceable
+/// while running ([`Gateway::set_access`]).
+pub(crate) struct Access {
+    pub peers: Vec<AllowedPeer>,
+    pub tokens: Vec<TokenEntry>,
+}
+
 /// State shared by the gateway's tasks.
 pub(crate) struct State {
+    pub access: std::sync::RwLock<Arc<Access>>,
     pub engine: Weak<dyn Backend>,
     pub cfg: GatewayConfig,
     pub counters: Arc<GatewayCounters>,
@@ -160,6 +168,7 @@ pub(crate) struct State {
 
 /// A running gateway.
 pub struct Gateway {
+    state: Arc<State>,
     rt: Arc<Runtime>,
     addr: SocketAddr,
     cancel: CancellationToken,
@@ -195,6 +204,10 @@ impl Gateway {
         let cancel = CancellationToken::new();
         let counters = Arc::new(GatewayCounters::default());
         let state = Arc::new(State {
+            access: std::sync::RwLock::new(Arc::new(Access {
+                peers: cfg.allowed_peers.clone(),
+                tokens: cfg.tokens.clone(),
+            })),
             engine,
             limiter: auth::RateLimiter::new(cfg.rate_limit_per_s, cfg.rate_limit_burst),
             streams: Arc::new(tokio::sync::Semaphore::new(cfg.max_streams)),
@@ -202,9 +215,10 @@ impl Gateway {
             cancel: cancel.clone(),
             cfg,
         });
-        let task = rt.spawn(conn::accept_loop(state, listener, tls));
+        let task = rt.spawn(conn::accept_loop(state.clone(), listener, tls));
         log::info!("gateway: listening on https://{addr}");
         Ok(Gateway {
+            state,
             rt,
             addr,
             cancel,
@@ -216,6 +230,14 @@ impl Gateway {
     /// The address it listens on (useful with port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Replaces the allowed peers and tokens (a configuration reload): every
+    /// request from now on is checked against them; streams already open
+    /// keep going until they end.
+    pub fn set_access(&self, peers: Vec<AllowedPeer>, tokens: Vec<TokenEntry>) {
+        *self.state.access.write().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(Access { peers, tokens });
     }
 
     /// Its counters.
