@@ -723,10 +723,13 @@ impl crate::gateway::Backend for Engine {
         &self,
         channel: &str,
         pos: StartPosition,
+        create: bool,
     ) -> Result<(LogReader, Arc<ChannelWriter>), Error> {
         self.check_open()?;
         validate_name(NameKind::Channel, channel)?;
-        self.store.writer(channel)?;
+        if create {
+            self.store.writer(channel)?;
+        }
         let at = self.resolve_position(channel, pos)?;
         self.read(channel, at)
     }

@@ -594,3 +594,30 @@ fn websocket_refuses_publishing_outside_the_lists_and_stores_nothing() {
     );
     assert_eq!(r.status, 401);
 }
+
+#[test]
+fn reading_creates_only_channels_a_list_names() {
+    // "edge" may read any channel (an empty list, the hub's rule).
+    let f = start(|c| c.allowed_peers[0].subscribe.clear());
+    let r = f.request(
+        Some("edge"),
+        "GET",
+        "/v1/channels/nowhere/messages",
+        &[],
+        "",
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(!f._data.path().join("channels").join("nowhere").exists());
+    // A channel the token names is created by reading it (listen first, publish later).
+    let r = f.token_request("GET", "/v1/channels/sensors/messages", "");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(f._data.path().join("channels").join("sensors").is_dir());
+    let r = f.request(
+        Some("edge"),
+        "GET",
+        "/v1/channels/sensors/messages",
+        &[],
+        "",
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}

@@ -72,6 +72,18 @@ impl Identity {
         }
     }
 
+    /// Whether `channel` is written in this client's list for `access` (not
+    /// merely allowed by an empty list): only such channels are created by
+    /// reading them.
+    pub fn names(&self, access: Access, channel: &str) -> bool {
+        let list = match access {
+            Access::Publish => &self.publish,
+            Access::Subscribe => &self.subscribe,
+        };
+        list.as_ref()
+            .is_some_and(|l| l.iter().any(|c| c == channel))
+    }
+
     /// Whether this client may use `channel` for `access`.
     pub fn allows(&self, access: Access, channel: &str) -> bool {
         let list = match access {

@@ -163,11 +163,12 @@ async fn route(
             if !identity.allows(Access::Subscribe, &channel) {
                 return Err(forbidden(Access::Subscribe));
             }
+            let create = identity.names(Access::Subscribe, &channel);
             let sse = header_str(&req, "accept").is_some_and(|a| a.contains("text/event-stream"));
             if sse {
-                super::stream::sse(state, &channel, &req).await
+                super::stream::sse(state, &channel, &req, create).await
             } else {
-                super::stream::long_poll(state, &channel, &req).await
+                super::stream::long_poll(state, &channel, &req, create).await
             }
         }
         (&Method::GET, "ws") => {
@@ -178,7 +179,8 @@ async fn route(
             if !p && !s {
                 return Err(forbidden(Access::Subscribe));
             }
-            super::ws::upgrade(state, &channel, req, p, s)
+            let create = identity.names(Access::Subscribe, &channel);
+            super::ws::upgrade(state, &channel, req, (p, s), create)
         }
         _ => Err(Refusal::new(
             StatusCode::METHOD_NOT_ALLOWED,

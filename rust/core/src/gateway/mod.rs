@@ -54,12 +54,13 @@ pub trait Backend: Send + Sync {
         channel: &str,
         items: &[Item<'_>],
     ) -> Result<Vec<(String, u64)>, crate::Error>;
-    /// A reader of `channel` (created if missing, as a subscribe does) at
-    /// `pos`, and its writer.
+    /// A reader of `channel` at `pos`, and its writer; a missing channel is
+    /// created when `create` (as a subscribe does), else an error.
     fn open_reader(
         &self,
         channel: &str,
         pos: StartPosition,
+        create: bool,
     ) -> Result<(LogReader, Arc<ChannelWriter>), crate::Error>;
 }
 

@@ -102,6 +102,13 @@ pub(super) fn engine_refusal(e: &Error) -> Refusal {
         Error::Closed(_) | Error::Forked(_) => (StatusCode::SERVICE_UNAVAILABLE, "closed"),
         Error::Policy(_) => (StatusCode::FORBIDDEN, "forbidden"),
         Error::DataLoss(_) => (StatusCode::GONE, "data_loss"),
+        Error::Storage(crate::StorageError::ChannelNotFound { channel, .. }) => {
+            return Refusal::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("channel {channel:?} does not exist (yet): publish to it first"),
+            )
+        }
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "storage"),
     };
     Refusal::new(status, code, e.to_string())

@@ -86,13 +86,15 @@ pub(super) fn take_slot(state: &Arc<State>) -> Result<Slot, Refusal> {
     })
 }
 
-/// A reader of `channel` at `pos` and its writer. Reading a channel
-/// creates it (as a local subscribe does), so a client may listen before
-/// the first message.
+/// A reader of `channel` at `pos` and its writer. With `create` (the
+/// client's list names the channel) reading creates it, as a local
+/// subscribe does, so a client may listen before the first message;
+/// otherwise a channel that does not exist is a 404.
 pub(super) fn open_reader(
     state: &State,
     channel: &str,
     pos: StartPosition,
+    create: bool,
 ) -> Result<(LogReader, Arc<ChannelWriter>), Refusal> {
     let engine = state.engine.upgrade().ok_or_else(|| {
         Refusal::new(
@@ -102,7 +104,7 @@ pub(super) fn open_reader(
         )
     })?;
     engine
-        .open_reader(channel, pos)
+        .open_reader(channel, pos, create)
         .map_err(|e| http::engine_refusal(&e))
 }
 
@@ -170,6 +172,7 @@ pub(super) async fn sse(
     state: &Arc<State>,
     channel: &str,
     req: &Request<Incoming>,
+    create: bool,
 ) -> Result<Response<Body>, Refusal> {
     let q = http::query(req);
     let pos = match http::header_str(req, "last-event-id") {
@@ -181,7 +184,7 @@ pub(super) async fn sse(
         None => parse_position(http::param(&q, "from").unwrap_or("latest"))?,
     };
     let slot = take_slot(state)?;
-    let (reader, writer) = open_reader(state, channel, pos)?;
+    let (reader, writer) = open_reader(state, channel, pos, create)?;
     let (tx, rx) = mpsc::channel::<Bytes>(4);
     let st = state.clone();
     tokio::spawn(async move {
@@ -271,6 +274,7 @@ pub(super) async fn long_poll(
     state: &Arc<State>,
     channel: &str,
     req: &Request<Incoming>,
+    create: bool,
 ) -> Result<Response<Body>, Refusal> {
     let q = http::query(req);
     let pos = match (http::param(&q, "after"), http::param(&q, "from")) {
@@ -300,7 +304,7 @@ pub(super) async fn long_poll(
     }
     .min(http::max_wait(state));
     let _slot = take_slot(state)?;
-    let (mut reader, writer) = open_reader(state, channel, pos)?;
+    let (mut reader, writer) = open_reader(state, channel, pos, create)?;
     let deadline = tokio::time::Instant::now() + wait;
     let events = loop {
         let events = tokio::task::block_in_place(|| read_events(&mut reader, &writer, limit))

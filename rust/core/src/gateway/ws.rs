@@ -32,8 +32,8 @@ pub(super) fn upgrade(
     state: &Arc<State>,
     channel: &str,
     mut req: Request<Incoming>,
-    may_publish: bool,
-    may_subscribe: bool,
+    (may_publish, may_subscribe): (bool, bool),
+    create: bool,
 ) -> Result<Response<Body>, Refusal> {
     let key = http::header_str(&req, "sec-websocket-key").map(str::to_owned);
     let is_ws =
@@ -49,7 +49,7 @@ pub(super) fn upgrade(
     let pos = stream::parse_position(http::param(&q, "from").unwrap_or("latest"))?;
     let slot = stream::take_slot(state)?;
     let reader = if may_subscribe {
-        let (reader, writer) = stream::open_reader(state, channel, pos)?;
+        let (reader, writer) = stream::open_reader(state, channel, pos, create)?;
         Some((reader, writer))
     } else {
         None
