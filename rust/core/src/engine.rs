@@ -719,6 +719,11 @@ impl crate::gateway::Backend for Engine {
             .collect())
     }
 
+    fn channel_exists(&self, channel: &str) -> bool {
+        validate_name(NameKind::Channel, channel).is_ok()
+            && crate::storage::channel_dir(self.store.data_dir(), channel).is_dir()
+    }
+
     fn open_reader(
         &self,
         channel: &str,

@@ -1,3 +1,5 @@
+// why this file is long: one fixture (a CA, certificates, an engine with the gateway, a raw
+// HTTPS client) shared by every end-to-end case of the gateway; split, each file would repeat it.
 //! The HTTP gateway end to end over real TLS sockets on 127.0.0.1: durable
 //! publish, Server-Sent Events with resume, long polls, the WebSocket,
 //! authentication by certificate and by token, and the limits.
@@ -620,4 +622,22 @@ fn reading_creates_only_channels_a_list_names() {
         "",
     );
     assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn a_peer_creates_at_most_max_channels_channels() {
+    // "edge" may publish anywhere (empty list) but create one channel only.
+    let f = start(|c| {
+        c.allowed_peers[0].publish.clear();
+        c.allowed_peers[0].max_channels = 1;
+    });
+    let body = r#"{"payload_type":"t","payload":1}"#;
+    let first = f.request(Some("edge"), "POST", "/v1/channels/a/messages", &[], body);
+    assert_eq!(first.status, 201, "{}", first.body);
+    let again = f.request(Some("edge"), "POST", "/v1/channels/a/messages", &[], body);
+    assert_eq!(again.status, 201, "the channel exists now");
+    let second = f.request(Some("edge"), "POST", "/v1/channels/b/messages", &[], body);
+    assert_eq!(second.status, 403, "{}", second.body);
+    assert_eq!(json(&second.body)["error"], "channel_limit");
+    assert!(!f._data.path().join("channels").join("b").exists());
 }

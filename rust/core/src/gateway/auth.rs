@@ -51,6 +51,8 @@ pub struct Identity {
     /// `None`: any channel (a peer whose list is empty, as on the hub).
     publish: Option<Vec<String>>,
     subscribe: Option<Vec<String>>,
+    /// A peer's `max_channels`: channels its publishes may create.
+    pub max_channels: usize,
 }
 
 impl Identity {
@@ -60,6 +62,7 @@ impl Identity {
             label: format!("peer:{}", p.name),
             publish: (!p.publish.is_empty()).then(|| p.publish.clone()),
             subscribe: (!p.subscribe.is_empty()).then(|| p.subscribe.clone()),
+            max_channels: p.max_channels,
         }
     }
 
@@ -69,6 +72,7 @@ impl Identity {
             label: format!("token:{}", t.name),
             publish: Some(t.publish.clone()),
             subscribe: Some(t.subscribe.clone()),
+            max_channels: t.publish.len(),
         }
     }
 

@@ -157,6 +157,7 @@ async fn route(
             if !identity.allows(Access::Publish, &channel) {
                 return Err(forbidden(Access::Publish));
             }
+            super::publish::check_channel_budget(state, &identity, &channel)?;
             publish(state, &channel, req).await
         }
         (&Method::GET, "messages") => {
@@ -172,15 +173,12 @@ async fn route(
             }
         }
         (&Method::GET, "ws") => {
-            let (p, s) = (
-                identity.allows(Access::Publish, &channel),
-                identity.allows(Access::Subscribe, &channel),
-            );
-            if !p && !s {
+            if !identity.allows(Access::Publish, &channel)
+                && !identity.allows(Access::Subscribe, &channel)
+            {
                 return Err(forbidden(Access::Subscribe));
             }
-            let create = identity.names(Access::Subscribe, &channel);
-            super::ws::upgrade(state, &channel, req, (p, s), create)
+            super::ws::upgrade(state, &channel, req, identity)
         }
         _ => Err(Refusal::new(
             StatusCode::METHOD_NOT_ALLOWED,

@@ -54,6 +54,8 @@ pub trait Backend: Send + Sync {
         channel: &str,
         items: &[Item<'_>],
     ) -> Result<Vec<(String, u64)>, crate::Error>;
+    /// Whether `channel` exists.
+    fn channel_exists(&self, channel: &str) -> bool;
     /// A reader of `channel` at `pos`, and its writer; a missing channel is
     /// created when `create` (as a subscribe does), else an error.
     fn open_reader(
@@ -159,6 +161,9 @@ pub(crate) struct Access {
 /// State shared by the gateway's tasks.
 pub(crate) struct State {
     pub access: std::sync::RwLock<Arc<Access>>,
+    /// Channels each client's publishes created (`hub.allowed_peers[].max_channels`).
+    pub budgets:
+        std::sync::Mutex<std::collections::HashMap<String, Arc<federation::ChannelBudget>>>,
     pub engine: Weak<dyn Backend>,
     pub cfg: GatewayConfig,
     pub counters: Arc<GatewayCounters>,
@@ -209,6 +214,7 @@ impl Gateway {
                 peers: cfg.allowed_peers.clone(),
                 tokens: cfg.tokens.clone(),
             })),
+            budgets: std::sync::Mutex::new(std::collections::HashMap::new()),
             engine,
             limiter: auth::RateLimiter::new(cfg.rate_limit_per_s, cfg.rate_limit_burst),
             streams: Arc::new(tokio::sync::Semaphore::new(cfg.max_streams)),

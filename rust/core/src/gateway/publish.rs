@@ -6,6 +6,9 @@ use std::sync::atomic::Ordering;
 use hyper::StatusCode;
 use serde::Deserialize;
 
+use std::sync::Arc;
+
+use super::auth::{Access, Identity};
 use super::reply::{engine_refusal, Refusal};
 use super::State;
 
@@ -115,4 +118,43 @@ pub(super) async fn publish_body(
         .published
         .fetch_add(published.len() as u64, Ordering::Relaxed);
     Ok(published)
+}
+
+/// A publish that would create a channel its client's list does not name
+/// counts against the client's `max_channels` (as on the hub); past it, 403.
+pub(super) fn check_channel_budget(
+    state: &State,
+    identity: &Identity,
+    channel: &str,
+) -> Result<(), Refusal> {
+    if identity.names(Access::Publish, channel) {
+        return Ok(());
+    }
+    let exists = state
+        .engine
+        .upgrade()
+        .is_some_and(|e| e.channel_exists(channel));
+    if exists {
+        return Ok(());
+    }
+    let budget = state
+        .budgets
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(identity.label.clone())
+        .or_insert_with(|| Arc::new(crate::federation::ChannelBudget::new(identity.max_channels)))
+        .clone();
+    if budget.try_create(channel) {
+        Ok(())
+    } else {
+        Err(Refusal::new(
+            StatusCode::FORBIDDEN,
+            "channel_limit",
+            format!(
+                "{} may create at most {} channels (hub.allowed_peers max_channels); \
+                 channel {channel:?} does not exist",
+                identity.label, identity.max_channels
+            ),
+        ))
+    }
 }

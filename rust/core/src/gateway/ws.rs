@@ -20,6 +20,7 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
+use super::auth::{Access, Identity};
 use super::publish;
 use super::reply::{self as http, Body, Refusal};
 use super::stream::{self, Event};
@@ -32,9 +33,11 @@ pub(super) fn upgrade(
     state: &Arc<State>,
     channel: &str,
     mut req: Request<Incoming>,
-    (may_publish, may_subscribe): (bool, bool),
-    create: bool,
+    identity: Identity,
 ) -> Result<Response<Body>, Refusal> {
+    let may_publish = identity.allows(Access::Publish, channel);
+    let may_subscribe = identity.allows(Access::Subscribe, channel);
+    let create = identity.names(Access::Subscribe, channel);
     let key = http::header_str(&req, "sec-websocket-key").map(str::to_owned);
     let is_ws =
         http::header_str(&req, "upgrade").is_some_and(|u| u.eq_ignore_ascii_case("websocket"));
@@ -67,7 +70,7 @@ pub(super) fn upgrade(
         let cfg = WebSocketConfig::default().max_message_size(Some(st.cfg.max_body_bytes));
         let ws =
             WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(cfg)).await;
-        run(st, ch, ws, may_publish, reader).await;
+        run(st, ch, ws, (may_publish, identity), reader).await;
     });
     let mut resp = Response::new(Empty::<Bytes>::new().boxed());
     *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
@@ -84,7 +87,7 @@ async fn run<S>(
     state: Arc<State>,
     channel: String,
     ws: WebSocketStream<S>,
-    may_publish: bool,
+    (may_publish, identity): (bool, Identity),
     mut reader: Option<(LogReader, Arc<ChannelWriter>)>,
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
@@ -165,7 +168,7 @@ async fn run<S>(
                     Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
                     Some(Ok(_)) => continue,
                 };
-                let reply = publish_frame(&state, &channel, text.as_str(), may_publish).await;
+                let reply = publish_frame(&state, &channel, text.as_str(), may_publish, &identity).await;
                 if sink.send(Message::Text(reply.to_string().into())).await.is_err() {
                     return;
                 }
@@ -180,6 +183,7 @@ async fn publish_frame(
     channel: &str,
     text: &str,
     may_publish: bool,
+    identity: &Identity,
 ) -> serde_json::Value {
     let reference = serde_json::from_str::<serde_json::Value>(text)
         .ok()
@@ -201,6 +205,13 @@ async fn publish_frame(
             "forbidden",
             format!("this client may not publish to channel {channel:?}"),
         ));
+    }
+    if let Err(r) = publish::check_channel_budget(state, identity, channel) {
+        state
+            .counters
+            .refused_forbidden
+            .fetch_add(1, Ordering::Relaxed);
+        return refused(r);
     }
     // `ref` is ours, not the message's: take it out before parsing.
     let mut body: serde_json::Value = match serde_json::from_str(text) {
