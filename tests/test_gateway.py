@@ -72,6 +72,11 @@ def test_publish_commits_before_201_and_sse_resumes(
         assert [e["id"] for _, e in resumed] == ids[1:]
         by_time = c.sse("/v1/channels/sensors/messages?from=2000-01-01T00%3A00%3A00Z", 1)
         assert by_time[0][1]["id"] == ids[0]
+        at_offset = c.sse(f"/v1/channels/sensors/messages?from={events[1][0]}", 1)
+        assert at_offset[0][1]["id"] == ids[2]
+        status, _, err = c.request("GET", "/v1/channels/sensors/messages?from=7",
+                                   headers={"Accept": "text/event-stream"})
+        assert status == 400 and err["error"] == "invalid", "not a record boundary"
 
         status, _, poll = c.request(
             "GET", f"/v1/channels/sensors/messages?after={events[1][0]}&limit=5&wait=0.1"
