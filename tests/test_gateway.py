@@ -296,3 +296,16 @@ def test_close_ends_open_streams(pki: fed_helpers.PKI, tmp_path: Path) -> None:
     finally:
         conn.close()
         m.close()
+
+
+def test_refusals_reach_the_metrics_listener(pki: fed_helpers.PKI, tmp_path: Path) -> None:
+    doc = gateway_doc(pki, tmp_path / "data")
+    doc["metrics"] = {"listen_addr": "127.0.0.1:0"}
+    with Messenger(Config.from_dict(doc)) as m:
+        assert Client(pki, m, token=None).publish("sensors", {"payload": 1})[0] == 401
+        addr = m.metrics_address
+        assert addr is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{addr[1]}/metrics", timeout=15) as r:
+            text = r.read().decode()
+    assert 'keyop_gateway_refused_total{reason="unauthenticated"} 1' in text
+    assert "keyop_gateway_requests_total 1" in text
