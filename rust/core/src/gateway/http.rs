@@ -16,6 +16,9 @@ use super::reply::{full, header_str, json, param, percent_decode, query, refuse,
 use super::State;
 use crate::envelope::{validate_name, NameKind};
 
+static REFUSALS_LOGGED: crate::lograte::RateLimit =
+    crate::lograte::RateLimit::new(std::time::Duration::from_secs(10));
+
 /// The OpenAPI 3.1 description of this API.
 pub const OPENAPI: &str = include_str!("openapi.json");
 
@@ -80,9 +83,11 @@ pub(super) async fn handle(
     let resp = match route(&state, &client, req).await {
         Ok(r) => r,
         Err(r) => {
-            if r.status != StatusCode::NOT_FOUND {
+            // Counted always; logged at most once per 10 s (a flood of bad
+            // requests must not flood the log).
+            if let Some(more) = REFUSALS_LOGGED.check() {
                 log::info!(
-                    "gateway: refused a request of {}: {} {}",
+                    "gateway: refused a request of {}: {} {} ({more} more refusals since the last report)",
                     client.remote,
                     r.status,
                     r.message
