@@ -309,3 +309,25 @@ def test_refusals_reach_the_metrics_listener(pki: fed_helpers.PKI, tmp_path: Pat
             text = r.read().decode()
     assert 'keyop_gateway_refused_total{reason="unauthenticated"} 1' in text
     assert "keyop_gateway_requests_total 1" in text
+
+
+def test_long_poll_waits_for_the_next_message(pki: fed_helpers.PKI, tmp_path: Path) -> None:
+    import threading
+
+    with open_gateway(pki, tmp_path / "data") as m:
+        c = Client(pki, m)
+        assert c.publish("sensors", {"payload_type": "t", "payload": 0})[0] == 201
+        end = m.stream_end("sensors")
+        answers: list[Any] = []
+        poll = threading.Thread(target=lambda: answers.append(
+            c.request("GET", f"/v1/channels/sensors/messages?after={end}&wait=10")))
+        poll.start()
+        # Published while the poll waits (or before it starts: either way the
+        # answer holds exactly this message).
+        status, _, published = c.publish("sensors", {"payload_type": "t", "payload": 1})
+        assert status == 201
+        poll.join(timeout=20)
+        assert not poll.is_alive()
+        status, _, body = answers[0]
+        assert status == 200
+        assert [x["message"]["id"] for x in body["messages"]] == published["ids"]
