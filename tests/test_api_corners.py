@@ -128,6 +128,8 @@ ARGS: dict[str, Any] = {
     "peers": [],
     "position": "earliest",
     "tls": None,
+    "allowed_peers": [],
+    "tokens": [],
 }
 
 

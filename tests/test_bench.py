@@ -151,6 +151,9 @@ def test_quick_bench_prints_every_figure() -> None:
         "publish_durable_16_disk_ceiling_ratio",
         "thread_handoff_16_us",
         "publish_durable_16_handoff_ceiling_ratio",
+        "gateway_publish_durable_requests_per_s",
+        "gateway_publish_batch_100_durable_per_s",
+        "gateway_sse_delivery_per_s",
     ):
         assert results[key] > 0, key
     if "one_core_skipped" not in results:
@@ -166,3 +169,10 @@ def test_idle_memory_probes_measure_each_kind(tmp_path: Path) -> None:
     assert set(rss) == {"local", "client", "hub"}
     for kind, mb in rss.items():
         assert 0 < mb < 500, f"{kind}: {mb} MB above the interpreter is not a plausible reading"
+
+
+def test_gateway_figures_are_measured(tmp_path: Path) -> None:
+    suite = bench.Suite(tmp_path, 0.2, 1)
+    figures = suite.gateway(suite.pki(), 2000)
+    assert set(figures) == {"requests_per_s", "batch_100_per_s", "sse_per_s"}
+    assert all(v > 0 for v in figures.values()), figures

@@ -823,7 +823,7 @@ def test_to_dict_yaml_shape_has_every_key() -> None:
     d = Config(name="n").to_dict()
     assert set(d) == {
         "name", "storage", "subscribers", "hub", "client", "tls", "federation", "dedup", "audit",
-        "metrics", "retention", "log",
+        "metrics", "retention", "log", "gateway",
     }
     assert set(d["storage"]) == {
         "data_dir", "sync_interval_ms", "max_subscriber_lag_mb",

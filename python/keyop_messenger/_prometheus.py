@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable
 from typing import Protocol
 
-from .stats import HubLinkStats, HubListenerStats, Stats
+from .stats import GatewayStats, HubLinkStats, HubListenerStats, Stats
 
 __all__ = ["CONTENT_TYPE", "StatsSource", "log", "render"]
 
@@ -165,7 +165,34 @@ def render(stats: Stats) -> str:
     listener = stats.federation.listener
     if listener is not None:
         _listener_families(out, listener)
+    if stats.gateway is not None:
+        _gateway_families(out, stats.gateway)
     return out.text()
+
+
+def _gateway_families(out: _Writer, gw: GatewayStats) -> None:
+    out.family(
+        "keyop_gateway_requests_total", "counter", "HTTP requests to the gateway.",
+        [((), gw.requests)],
+    )  # fmt: skip
+    out.family(
+        "keyop_gateway_published_total", "counter", "Messages committed through the gateway.",
+        [((), gw.published)],
+    )  # fmt: skip
+    out.family(
+        "keyop_gateway_delivered_total", "counter",
+        "Messages sent to gateway clients (SSE, long polls, WebSockets).",
+        [((), gw.delivered)],
+    )  # fmt: skip
+    out.family(
+        "keyop_gateway_streams_open", "gauge", "Gateway streams open now.",
+        [((), gw.streams_open)],
+    )  # fmt: skip
+    out.family(
+        "keyop_gateway_refused_total", "counter",
+        "Gateway requests refused (or connections closed), by reason.",
+        [((("reason", reason),), n) for reason, n in sorted(gw.refused.items())],
+    )  # fmt: skip
 
 
 def _link_families(out: _Writer, links: list[HubLinkStats]) -> None:

@@ -84,7 +84,7 @@ from .positions import Position
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from .config import AllowedPeer, TLSConfig
+    from .config import AllowedPeer, GatewayToken, TLSConfig
     from .ephemeral import EphemeralMessenger
     from .message import LogEntry
     from .messenger import Messenger
@@ -632,6 +632,12 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         """As :meth:`Messenger.set_allowed_peers`, on a worker thread."""
         return await self._run(self._require().set_allowed_peers, peers)
 
+    async def set_gateway_access(
+        self, allowed_peers: list[AllowedPeer], tokens: list[GatewayToken]
+    ) -> None:
+        """As :meth:`Messenger.set_gateway_access`, on a worker thread."""
+        await self._run(self._require().set_gateway_access, allowed_peers, tokens)
+
     async def reload_tls(self, tls: TLSConfig) -> None:
         """As :meth:`Messenger.reload_tls` (reads files), on a worker thread."""
         await self._run(self._require().reload_tls, tls)
@@ -673,6 +679,11 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
     def hub_address(self) -> tuple[str, int] | None:
         """As :attr:`Messenger.hub_address`."""
         return self._require().hub_address
+
+    @property
+    def gateway_address(self) -> tuple[str, int] | None:
+        """As :attr:`Messenger.gateway_address`."""
+        return self._require().gateway_address
 
     @property
     def metrics_address(self) -> tuple[str, int] | None:

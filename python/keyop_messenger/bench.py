@@ -398,6 +398,86 @@ class Suite:
         t.join(timeout=5)
         return len(lat) / sum(lat), statistics.median(lat) * 1e6
 
+    def gateway(self, pki: Path, n: int) -> dict[str, float]:
+        """The HTTP gateway from one keep-alive HTTPS client: durable publish
+        requests/s (one message each), messages/s in batches of 100, and the
+        SSE delivery rate of a backlog of ``n`` messages (from ``earliest``)."""
+        import hashlib
+        import http.client
+
+        token = "bench-token"
+        m = self.messenger(
+            0,
+            name="bench-hub",
+            tls={"ca": str(pki / "ca.crt"), "cert": str(pki / "bench-hub.crt"),
+                 "key": str(pki / "bench-hub.key")},
+            gateway={
+                "enabled": True, "listen_addr": "127.0.0.1:0", "rate_limit_per_s": 0,
+                "max_body_bytes": 64 * 1024 * 1024,
+                "tokens": [{"name": "bench",
+                            "hash": "sha256:" + hashlib.sha256(token.encode()).hexdigest(),
+                            "publish": ["gw", "gw-backlog"], "subscribe": ["gw-backlog"]}],
+            },
+        )  # fmt: skip
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        try:
+            port = m.gateway_address[1]
+            conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=60)
+
+            def post(channel: str, body: bytes) -> None:
+                conn.request("POST", f"/v1/channels/{channel}/messages", body, headers)
+                resp = conn.getresponse()
+                text = resp.read()
+                if resp.status != 201:
+                    raise RuntimeError(f"gateway publish: {resp.status} {text!r}")
+
+            one = json.dumps({"payload_type": TYPE, "payload": PAYLOAD}).encode()
+            batch = json.dumps({"messages": [{"payload_type": TYPE, "payload": PAYLOAD}] * 100}
+                               ).encode()
+
+            def single() -> int:
+                post("gw", one)
+                return 1
+
+            def hundred() -> int:
+                post("gw", batch)
+                return 100
+
+            requests = _median(self.runs, lambda: _rate(self.seconds, single))
+            batched = _median(self.runs, lambda: _rate(self.seconds, hundred))
+            fill = json.dumps({"messages": [{"payload_type": TYPE, "payload": PAYLOAD}] * 1000}
+                              ).encode()
+            for _ in range(max(1, n // 1000)):
+                post("gw-backlog", fill)
+            backlog = max(1, n // 1000) * 1000
+            conn.close()
+
+            def sse() -> Sample:
+                stream = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=60)
+                clock = _Stopwatch()
+                stream.request("GET", "/v1/channels/gw-backlog/messages?from=earliest",
+                               headers={**headers, "Accept": "text/event-stream"})
+                resp = stream.getresponse()
+                got = 0
+                while got < backlog:
+                    line = resp.readline()
+                    if not line:
+                        raise RuntimeError(f"the event stream ended after {got} events")
+                    if line.startswith(b"data: "):
+                        got += 1
+                stream.close()
+                return clock.sample(got)
+
+            delivery = _median(self.runs, sse)
+        finally:
+            m.close()
+        return {
+            "requests_per_s": requests.per_s,
+            "batch_100_per_s": batched.per_s,
+            "sse_per_s": delivery.per_s,
+        }
+
     def federated(
         self, pki: Path, n: int, round_trips: bool = True
     ) -> tuple[Sample, tuple[float, float] | None]:
@@ -755,6 +835,16 @@ def run(
         suite.record("federated_rtt_p50_us", p50, "federated round trip p50 (us)",
                      f"{p50 / echo_p50:.1f} x TLS echo; target < 1000")
         suite.record("federated_rtt_p99_us", p99, "federated round trip p99 (us)")
+        gw = suite.gateway(pki, n)
+        suite.record("gateway_publish_durable_requests_per_s", gw["requests_per_s"],
+                     "gateway durable publish, 1 message per request (HTTPS, 1 client)",
+                     f"{gw['requests_per_s'] / durable[1].per_s:.2f} x Python publish")
+        suite.record("gateway_publish_batch_100_durable_per_s", gw["batch_100_per_s"],
+                     "gateway durable publish, 100 per request (msg/s)",
+                     f"{gw['batch_100_per_s'] / batch[100].per_s:.2f} x publish_batch(100)")
+        suite.record("gateway_sse_delivery_per_s", gw["sse_per_s"],
+                     "gateway SSE delivery of a backlog (msg/s)",
+                     f"{gw['sse_per_s'] / sub.per_s:.2f} x Python subscribe")
         rss = rss_idle_mb(Path(d))
         suite.record("rss_idle_local_mb", rss["local"], "RSS of an idle local messenger (MB)",
                      "above the interpreter", decimals=1)

@@ -16,7 +16,7 @@ from typing import Any
 from . import _core
 from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
-from .config import AllowedPeer, Config, TLSConfig
+from .config import AllowedPeer, Config, GatewayToken, TLSConfig
 from .config.loading import as_config
 from .context import _CONTEXT, resolve
 from .errors import ConfigError, send_batch, unicode_error
@@ -112,6 +112,12 @@ class Messenger(_core.MessengerBase, _SyncContext):
             except BaseException:
                 self.close()
                 raise
+        if config.gateway.enabled:
+            try:
+                self._engine.start_gateway(json.dumps(_gateway_settings(config)))
+            except BaseException:
+                self.close()
+                raise
         if config.metrics.listen_addr:
             try:
                 self._metrics = MetricsServer(self, config.metrics.listen_addr).start()
@@ -154,6 +160,12 @@ class Messenger(_core.MessengerBase, _SyncContext):
         """``(host, port)`` the hub listens on (useful with port 0), or None."""
         return self._engine.hub_address
 
+    @property
+    def gateway_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the HTTP gateway listens on (useful with port 0), or
+        None when ``gateway.enabled`` is false."""
+        return self._engine.gateway_address
+
     def stats(self) -> Stats:
         """A typed snapshot: per channel (messages published since open, stream
         and disk bytes, subscribers with lag and oldest pending message),
@@ -178,6 +190,19 @@ class Messenger(_core.MessengerBase, _SyncContext):
         and reconnect under the new list; returns their names.
         Raises :class:`FederationError` when the hub is not enabled."""
         return self._engine.set_allowed_peers(json.dumps([dataclasses.asdict(p) for p in peers]))
+
+    def set_gateway_access(
+        self, allowed_peers: list[AllowedPeer], tokens: list[GatewayToken]
+    ) -> None:
+        """Replaces the HTTP gateway's certificate clients (``hub.allowed_peers``)
+        and bearer tokens (``gateway.tokens``); ``keyop-messenger run`` does it on
+        SIGHUP. Every request from now on is checked against them; event streams
+        already open go on until they end. Raises :class:`ConfigError` when the
+        gateway is not running."""
+        self._engine.set_gateway_access(
+            json.dumps([dataclasses.asdict(p) for p in allowed_peers]),
+            json.dumps([dataclasses.asdict(t) for t in tokens]),
+        )
 
     def reload_tls(self, tls: TLSConfig) -> None:
         """Loads the certificate, key and CA files of ``tls`` again (``keyop-messenger
@@ -467,6 +492,29 @@ def _federation_settings(config: Config) -> dict[str, Any]:
         "audit_max_size_mb": config.audit.max_size_mb,
         "audit_max_files": config.audit.max_files,
     }
+
+
+def _gateway_settings(config: Config) -> dict[str, Any]:
+    """The engine's gateway settings, from a validated config."""
+    gw = config.gateway
+    return {
+        "listen_addr": gw.listen_addr,
+        "tls": dataclasses.asdict(config.tls),
+        "allowed_peers": [dataclasses.asdict(p) for p in config.hub.allowed_peers],
+        "tokens": [dataclasses.asdict(t) for t in gw.tokens],
+        "max_body_bytes": gw.max_body_bytes,
+        "rate_limit_per_s": float(gw.rate_limit_per_s),
+        "rate_limit_burst": gw.rate_limit_burst,
+        "max_streams": gw.max_streams,
+        "max_connections": gw.max_connections,
+        "header_timeout_ms": _ms(gw.header_timeout),
+        "idle_timeout_ms": _ms(gw.idle_timeout),
+        "max_wait_ms": _ms(gw.max_wait),
+    }
+
+
+def _ms(d: datetime.timedelta) -> int:
+    return max(1, int(d.total_seconds() * 1000))
 
 
 def read_channel(

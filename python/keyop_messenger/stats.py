@@ -133,6 +133,22 @@ class DataLossStats:
 
 
 @dataclass(frozen=True)
+class GatewayStats:
+    """The HTTP gateway's counters since it started (``gateway`` section)."""
+
+    requests: int = 0
+    published: int = 0
+    """Messages committed through the gateway."""
+    delivered: int = 0
+    """Messages sent to clients (SSE, long polls, WebSockets)."""
+    streams_open: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    """Refusals by reason: ``unauthenticated`` (401), ``forbidden`` (403),
+    ``too_large`` (413), ``rate_limited`` (429), ``too_many_streams`` (503),
+    ``bad_request`` (400, 404, 405) and ``timed_out`` (header or idle timeout)."""
+
+
+@dataclass(frozen=True)
 class Stats:
     """A snapshot (not atomic across channels) of a messenger."""
 
@@ -144,6 +160,8 @@ class Stats:
     federation: FederationStats
     data_loss: DataLossStats = field(default_factory=DataLossStats)
     """Gaps and quarantined records (exported as ``keyop_data_loss_total``)."""
+    gateway: GatewayStats | None = None
+    """The HTTP gateway's counters; None when it is not running."""
 
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
@@ -208,12 +226,23 @@ def stats_from_engine(raw: dict[str, Any]) -> Stats:
         ),
     )
     gaps, gap_bytes, quarantined = raw.get("data_loss", (0, 0, 0))
+    gateway = None
+    if raw.get("gateway") is not None:
+        counters = dict(raw["gateway"])
+        gateway = GatewayStats(
+            requests=counters.pop("requests"),
+            published=counters.pop("published"),
+            delivered=counters.pop("delivered"),
+            streams_open=counters.pop("streams_open"),
+            refused={k.removeprefix("refused_"): v for k, v in counters.items()},
+        )
     return Stats(
         channels=channels,
         totals=totals,
         latency=latency,
         federation=federation,
         data_loss=DataLossStats(gaps=gaps, gap_bytes=gap_bytes, quarantined=quarantined),
+        gateway=gateway,
     )
 
 

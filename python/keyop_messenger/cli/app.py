@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import bench, dead_letters, demo, keygen, pubsub, run, stats
+from . import bench, dead_letters, demo, keygen, pubsub, run, stats, token
 from .common import CommandError, OpsUsageError, Parser, PipeClosed, UsageError
 from .logsetup import setup_command_logging
 
@@ -33,6 +33,7 @@ def _build_parser() -> Parser:
     stats.add_parsers(commands)
     dead_letters.add_parsers(commands)
     run.add_parsers(commands)
+    token.add_parsers(commands)
     demo.add_parsers(commands)
     return parser
 

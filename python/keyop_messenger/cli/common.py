@@ -226,12 +226,13 @@ def load(path: str, overrides: Sequence[str] = ()) -> Config:
 
 
 def local_only(config: Config) -> Config:
-    """``config`` with federation and the metrics listener off: a command
-    works on the data directory only (anything to forward is read from the
-    files by the application's own messenger later)."""
+    """``config`` with federation, the gateway and the metrics listener off: a
+    command works on the data directory only (anything to forward is read from
+    the files by the application's own messenger later)."""
     changes: dict[str, Any] = {
         "hub": dataclasses.replace(config.hub, enabled=False),
         "client": dataclasses.replace(config.client, enabled=False),
+        "gateway": dataclasses.replace(config.gateway, enabled=False),
     }
     metrics: Any = getattr(config, "metrics", None)  # the metrics section, if known
     if metrics is not None:

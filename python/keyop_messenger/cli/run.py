@@ -283,10 +283,13 @@ def _reload(
                 "SIGHUP: TLS reloaded (cert %s, key %s, ca %s); new connections use it",
                 new.tls.cert, new.tls.key, new.tls.ca,
             )  # fmt: skip
+    old, gateway_applied = _reload_gateway_access(messenger, current, old, new, changed)
+    applied = applied or gateway_applied
     if "hub.allowed_peers" in changed:
         changed.remove("hub.allowed_peers")
         if not old.hub.enabled:
-            log.warning("SIGHUP: hub.allowed_peers changed but the hub is not enabled")
+            if not old.gateway.enabled:
+                log.warning("SIGHUP: hub.allowed_peers changed but the hub is not enabled")
         else:
             try:
                 dropped = messenger.set_allowed_peers(new.hub.allowed_peers)
@@ -305,3 +308,36 @@ def _reload(
         log.warning("SIGHUP: %s changed: restart to apply", ", ".join(changed))
     elif not applied:
         log.info("SIGHUP: configuration unchanged")
+
+
+def _reload_gateway_access(
+    messenger: Messenger, current: list[Config], old: Config, new: Config, changed: list[str]
+) -> tuple[Config, bool]:
+    """SIGHUP: gives a running gateway the new ``hub.allowed_peers`` and
+    ``gateway.tokens``; returns the configuration now current and whether
+    something was applied (``gateway.tokens`` is taken off ``changed``)."""
+    from ..errors import KeyopError
+
+    wanted = {"hub.allowed_peers", "gateway.tokens"} & set(changed)
+    if not wanted or not old.gateway.enabled:
+        return old, False
+    try:
+        messenger.set_gateway_access(new.hub.allowed_peers, new.gateway.tokens)
+    except KeyopError as err:
+        log.error("SIGHUP: gateway access not applied: %s", err)
+        return old, False
+    if "gateway.tokens" in changed:
+        changed.remove("gateway.tokens")
+    old = current[0] = dataclasses.replace(
+        old, gateway=dataclasses.replace(old.gateway, tokens=new.gateway.tokens)
+    )
+    if not old.hub.enabled and "hub.allowed_peers" in changed:
+        changed.remove("hub.allowed_peers")
+        old = current[0] = dataclasses.replace(
+            old, hub=dataclasses.replace(old.hub, allowed_peers=new.hub.allowed_peers)
+        )
+    log.info(
+        "SIGHUP: gateway access reloaded (%d peers, %d tokens)",
+        len(new.hub.allowed_peers), len(new.gateway.tokens),
+    )  # fmt: skip
+    return old, True

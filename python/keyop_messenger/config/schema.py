@@ -299,6 +299,69 @@ class MetricsConfig:
 
 
 @dataclass
+class GatewayToken:
+    """One entry of ``gateway.tokens``: a bearer token for programs without a
+    client certificate.
+
+    Attributes:
+        name: A label for logs and the rate limit (required, unique within the list).
+        hash: ``sha256:`` and the hex SHA-256 of the token, as printed by
+            ``keyop-messenger token create NAME``; the token itself is never stored.
+        publish: Channels the token may publish to; empty = none.
+        subscribe: Channels the token may read; empty = none.
+    """
+
+    name: str
+    hash: str = ""
+    publish: list[str] = field(default_factory=list)
+    subscribe: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GatewayConfig:
+    """The ``gateway`` section (new in this implementation): publish and subscribe
+    over HTTPS (see docs/gateway.md).
+
+    It serves with the instance's ``tls`` files. A client presents a client
+    certificate issued by the CA, whose CN must be in ``hub.allowed_peers`` (its
+    publish/subscribe lists apply, empty = any channel), or a bearer token of
+    ``tokens``.
+
+    Attributes:
+        enabled: Start the gateway (requires ``listen_addr`` and the ``tls`` files).
+        listen_addr: TCP ``host:port`` to listen on (port 0 picks a free port,
+            see ``Messenger.gateway_address``).
+        tokens: Bearer tokens, stored as hashes.
+        max_body_bytes: Largest request body; larger ones get 413 (must be > 0).
+        rate_limit_per_s: Requests per second per client (certificate or token);
+            more get 429 with Retry-After. 0 switches the limit off (must be >= 0).
+        rate_limit_burst: Requests a client may make at once before the rate
+            applies (must be > 0).
+        max_streams: Most event streams, long polls and WebSockets open at once;
+            more get 503 with Retry-After (must be > 0).
+        max_connections: Most connections open at once; more wait in the
+            listen backlog (must be > 0).
+        header_timeout: Time a client has to finish the TLS handshake and send
+            a request's headers (must be > 0).
+        idle_timeout: A connection that moves no byte either way for this long
+            is closed (must be > 0).
+        max_wait: Longest wait of a long poll (must be > 0).
+    """
+
+    enabled: bool = False
+    listen_addr: str = ""
+    tokens: list[GatewayToken] = field(default_factory=list)
+    max_body_bytes: int = 1048576
+    rate_limit_per_s: float = 100.0
+    rate_limit_burst: int = 200
+    max_streams: int = 256
+    max_connections: int = 1024
+    header_timeout: datetime.timedelta = datetime.timedelta(seconds=10)
+    idle_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
+    max_wait: datetime.timedelta = datetime.timedelta(seconds=30)
+
+
+@dataclass
 class LogConfig:
     """The ``log`` section (new in this implementation, not a 1.4 key).
 
@@ -331,6 +394,7 @@ class ConfigFields:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -345,9 +409,11 @@ SECTIONS: dict[str, type] = {
     "AuditConfig": AuditConfig,
     "MetricsConfig": MetricsConfig,
     "RetentionConfig": RetentionConfig,
+    "GatewayConfig": GatewayConfig,
 }
 ITEM_LISTS: dict[str, type] = {
     "list[AllowedPeer]": AllowedPeer,
     "list[HubEndpoint]": HubEndpoint,
     "list[RetentionChannel]": RetentionChannel,
+    "list[GatewayToken]": GatewayToken,
 }

@@ -141,6 +141,7 @@ def check_config(config: ConfigFields, problems: Problems) -> None:
     _check_hub(config, problems)
     _check_client(config, problems)
     _check_tls(config, problems)
+    _check_gateway(config, problems)
 
     fed = config.federation
     _positive(problems, fed, "federation", "reconnect_base_ms")
@@ -268,6 +269,58 @@ def _check_tls(config: ConfigFields, problems: Problems) -> None:
     if problems.usable("tls.min_version") and tls.min_version not in ("1.2", "1.3"):
         problems.add("tls.min_version", f"must be \"1.2\" or \"1.3\", got {tls.min_version!r}")
     _at_least(problems, tls, "tls", "expiry_warn_days", 0)
+
+
+_TOKEN_HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _check_gateway(config: ConfigFields, problems: Problems) -> None:
+    """Listener, TLS files, tokens (named, unique, hashes only) and limits."""
+    if not problems.usable("gateway"):
+        return
+    gw = config.gateway
+    enabled = problems.usable("gateway.enabled") and gw.enabled
+    if problems.usable("gateway.listen_addr"):
+        if gw.listen_addr == "":
+            if enabled:
+                problems.add("gateway.listen_addr", "required when gateway.enabled is true")
+        elif _split_host_port(gw.listen_addr) is None:
+            problems.add(
+                "gateway.listen_addr",
+                f"must be host:port with a port between 0 and 65535, got {gw.listen_addr!r}",
+            )
+    if enabled and problems.usable("tls"):
+        for name in ("cert", "key", "ca"):
+            key = f"tls.{name}"
+            if problems.usable(key) and getattr(config.tls, name) == "":
+                problems.add(key, "required when gateway.enabled is true (HTTPS only)")
+    for name in ("max_body_bytes", "rate_limit_burst", "max_streams", "max_connections"):
+        _positive(problems, gw, "gateway", name)
+    _at_least(problems, gw, "gateway", "rate_limit_per_s", 0)
+    for name in ("header_timeout", "idle_timeout", "max_wait"):
+        key = f"gateway.{name}"
+        if problems.usable(key) and getattr(gw, name) <= datetime.timedelta(0):
+            problems.add(key, f"must be > 0, got {getattr(gw, name)}")
+    if not problems.usable("gateway.tokens"):
+        return
+    seen: dict[str, str] = {}
+    for index, token in enumerate(gw.tokens):
+        path = f"gateway.tokens[{index}]"
+        if problems.usable(f"{path}.name"):
+            if token.name == "":
+                problems.add(f"{path}.name", "required")
+            elif token.name in seen:
+                problems.add(
+                    f"{path}.name", f"duplicate token name {token.name!r} (also {seen[token.name]})"
+                )
+            else:
+                seen[token.name] = f"{path}.name"
+        if problems.usable(f"{path}.hash") and not _TOKEN_HASH_RE.fullmatch(token.hash):
+            problems.add(
+                f"{path}.hash",
+                "must be sha256:<64 lowercase hex digits> (the hash printed by "
+                "`keyop-messenger token create NAME`; never the token itself)",
+            )
 
 
 def _check_segment_size(config: ConfigFields, problems: Problems) -> None:

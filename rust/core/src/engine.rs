@@ -124,6 +124,7 @@ pub struct Engine {
     /// echoes coming back from a hub are dropped.
     seen: OnceLock<Arc<SeenIds>>,
     federation: Mutex<Option<Federation>>,
+    gateway: Mutex<Option<crate::gateway::Gateway>>,
     stats: Arc<EngineStats>,
     /// The process that opened it: a forked child may not use it.
     owner: Owner,
@@ -156,6 +157,7 @@ impl Engine {
             retention: Mutex::new(None),
             seen: OnceLock::new(),
             federation: Mutex::new(None),
+            gateway: Mutex::new(None),
             stats: Arc::new(EngineStats::default()),
         })
     }
@@ -678,6 +680,32 @@ impl Engine {
         Ok(())
     }
 
+    /// Starts the HTTP gateway of `cfg` (see [`crate::gateway::Gateway::start`]).
+    pub fn start_gateway(
+        self: &Arc<Self>,
+        cfg: crate::gateway::GatewayConfig,
+    ) -> Result<(), Error> {
+        self.check_open()?;
+        let mut slot = self.gateway.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() {
+            return Err(Error::Config("the gateway is already running".into()));
+        }
+        let backend: Arc<dyn crate::gateway::Backend> = self.clone();
+        let gw = crate::gateway::Gateway::start(Arc::downgrade(&backend), cfg)
+            .map_err(|e| Error::Config(format!("gateway: {e}")))?;
+        *slot = Some(gw);
+        Ok(())
+    }
+
+    /// Runs `f` on the running gateway, if any.
+    pub fn with_gateway<T>(&self, f: impl FnOnce(&crate::gateway::Gateway) -> T) -> Option<T> {
+        self.gateway
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(f)
+    }
+
     /// `flush()`: syncs every channel; returns what hubs must still acknowledge.
     pub fn flush_start(&self) -> Result<Vec<crate::federation::flush::FlushTarget>, Error> {
         self.check_open()?;
@@ -722,6 +750,14 @@ impl Engine {
         }
         let started = Instant::now();
         self.closed.store(true, Ordering::Release);
+        let gateway = self
+            .gateway
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(mut gw) = gateway {
+            gw.stop();
+        }
         let fed = self
             .federation
             .lock()
@@ -764,6 +800,14 @@ impl Engine {
         {
             std::mem::forget(fed);
         }
+        if let Some(gw) = self
+            .gateway
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            std::mem::forget(gw);
+        }
         for (_, s) in self.subs().drain() {
             std::mem::forget(s);
         }
@@ -776,6 +820,53 @@ impl Engine {
             std::mem::forget(r);
         }
         std::mem::forget(self.store.clone());
+    }
+}
+
+impl crate::gateway::Backend for Engine {
+    fn instance_name(&self) -> String {
+        self.origin.clone()
+    }
+
+    fn publish(
+        &self,
+        channel: &str,
+        items: &[crate::gateway::Item<'_>],
+    ) -> Result<Vec<(String, u64)>, Error> {
+        let items: Vec<Outgoing<'_>> = items
+            .iter()
+            .map(|i| Outgoing {
+                payload_type: i.payload_type,
+                payload_json: i.payload_json,
+                service_name: i.service_name,
+                correlation_id: i.correlation_id,
+            })
+            .collect();
+        Ok(self
+            .publish_batch(channel, &items)?
+            .into_iter()
+            .map(|p| (p.id, p.offset))
+            .collect())
+    }
+
+    fn channel_exists(&self, channel: &str) -> bool {
+        validate_name(NameKind::Channel, channel).is_ok()
+            && crate::storage::channel_dir(self.store.data_dir(), channel).is_dir()
+    }
+
+    fn open_reader(
+        &self,
+        channel: &str,
+        pos: StartPosition,
+        create: bool,
+    ) -> Result<(LogReader, Arc<ChannelWriter>), Error> {
+        self.check_open()?;
+        validate_name(NameKind::Channel, channel)?;
+        if create {
+            self.store.writer(channel)?;
+        }
+        let at = self.resolve_position(channel, pos)?;
+        self.read(channel, at)
     }
 }
 

@@ -9,6 +9,7 @@ pub mod engine;
 pub mod envelope;
 pub mod federation;
 pub mod fork;
+pub mod gateway;
 pub mod keygen;
 pub mod lograte;
 pub mod memtrim;

@@ -643,6 +643,42 @@ impl PyEngine {
         py.detach(|| self.engine.start_federation(cfg)).py_err(py)
     }
 
+    /// Starts the HTTP gateway from a JSON document with the fields of
+    /// `keyop_core::gateway::GatewayConfig`.
+    fn start_gateway(&self, py: Python<'_>, settings_json: &str) -> PyResult<()> {
+        let cfg: keyop_core::gateway::GatewayConfig = serde_json::from_str(settings_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("gateway settings: {e}")))?;
+        py.detach(|| self.engine.start_gateway(cfg)).py_err(py)
+    }
+
+    /// Replaces the gateway's allowed peers and tokens (JSON lists).
+    /// Raises ConfigError when no gateway is running.
+    fn set_gateway_access(
+        &self,
+        py: Python<'_>,
+        peers_json: &str,
+        tokens_json: &str,
+    ) -> PyResult<()> {
+        let peers: Vec<keyop_core::federation::AllowedPeer> = serde_json::from_str(peers_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("hub.allowed_peers: {e}")))?;
+        let tokens: Vec<keyop_core::gateway::TokenEntry> = serde_json::from_str(tokens_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("gateway.tokens: {e}")))?;
+        self.engine
+            .with_gateway(|g| g.set_access(peers, tokens))
+            .ok_or_else(|| keyop_core::Error::Config("the gateway is not running".into()))
+            .py_err(py)
+    }
+
+    /// `(host, port)` the gateway listens on, or None.
+    #[getter]
+    fn gateway_address(&self, py: Python<'_>) -> PyResult<Option<(String, u16)>> {
+        self.engine.check_process().py_err(py)?;
+        Ok(self
+            .engine
+            .with_gateway(|g| g.local_addr())
+            .map(|a| (a.ip().to_string(), a.port())))
+    }
+
     /// Replaces the hub's `allowed_peers` (JSON list of entries); returns the
     /// connected peers disconnected because their entry went or changed.
     /// Raises FederationError when no hub is running.
@@ -738,6 +774,10 @@ impl PyEngine {
         let (links, listener) = fed.unwrap_or_default();
         out.set_item("links", links)?;
         out.set_item("listener", listener)?;
+        let gateway = self
+            .engine
+            .with_gateway(|g| g.counters().snapshot().into_iter().collect::<Vec<_>>());
+        out.set_item("gateway", gateway)?;
         Ok(out)
     }
 

@@ -413,7 +413,7 @@ impl Federation {
 
 /// Loads the `tls` files, warning when the certificate CN is not `name` or
 /// a certificate expires soon.
-fn load_tls(name: &str, cfg: &TlsSettings) -> Result<tls::TlsMaterial, FedError> {
+pub(crate) fn load_tls(name: &str, cfg: &TlsSettings) -> Result<tls::TlsMaterial, FedError> {
     let m = tls::TlsMaterial::load(cfg)?;
     if m.own_cn().as_deref() != Some(name) {
         log::warn!(

@@ -142,6 +142,22 @@ impl TlsMaterial {
         Ok(Arc::new(cfg))
     }
 
+    /// Gateway side: asks for a client certificate issued by the CA but also
+    /// accepts clients without one (they authenticate with a bearer token);
+    /// speaks HTTP/1.1.
+    pub fn gateway_server_config(&self) -> Result<Arc<ServerConfig>, rustls::Error> {
+        let verifier = WebPkiClientVerifier::builder_with_provider(self.roots.clone(), provider())
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| rustls::Error::General(e.to_string()))?;
+        let mut cfg = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(self.versions)?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(self.certs.clone(), self.key.clone_key())?;
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Arc::new(cfg))
+    }
+
     /// Client side: verifies the hub against the CA and presents our certificate.
     pub fn client_config(&self) -> Result<Arc<ClientConfig>, rustls::Error> {
         let cfg = ClientConfig::builder_with_provider(provider())

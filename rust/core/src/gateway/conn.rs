@@ -1,0 +1,188 @@
+//! Connections: accept, TLS (client certificate optional), HTTP/1.1 with a
+//! header timeout, and an idle timeout over the bytes moved either way.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+
+use super::State;
+use crate::federation::tls;
+
+/// Accepts connections until cancelled, then ends every connection.
+pub(super) async fn accept_loop(
+    state: Arc<State>,
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+) {
+    let acceptor = TlsAcceptor::from(tls);
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        state.cfg.max_connections.max(1),
+    ));
+    let mut conns = JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            _ = state.cancel.cancelled() => break,
+            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        };
+        let accepted = tokio::select! {
+            _ = state.cancel.cancelled() => break,
+            r = listener.accept() => r,
+        };
+        while conns.try_join_next().is_some() {}
+        match accepted {
+            Ok((tcp, remote)) => {
+                let (state, acceptor) = (state.clone(), acceptor.clone());
+                conns.spawn(async move {
+                    serve(state, acceptor, tcp, remote).await;
+                    drop(permit);
+                });
+            }
+            Err(e) => {
+                log::warn!("gateway: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    drop(listener);
+    let drained = tokio::time::timeout(Duration::from_secs(3), async {
+        while conns.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        conns.abort_all();
+    }
+}
+
+async fn serve(state: Arc<State>, acceptor: TlsAcceptor, tcp: TcpStream, remote: SocketAddr) {
+    let _ = tcp.set_nodelay(true);
+    let header_timeout = Duration::from_millis(state.cfg.header_timeout_ms.max(1));
+    let idle = Duration::from_millis(state.cfg.idle_timeout_ms.max(1));
+    let tls = tokio::select! {
+        _ = state.cancel.cancelled() => return,
+        r = tokio::time::timeout(header_timeout, acceptor.accept(tcp)) => r,
+    };
+    let tls = match tls {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            log::debug!("gateway: TLS handshake with {remote} failed: {e}");
+            return;
+        }
+        Err(_) => {
+            state.counters.timed_out.fetch_add(1, Ordering::Relaxed);
+            log::debug!("gateway: TLS handshake with {remote} timed out");
+            return;
+        }
+    };
+    let cn = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .and_then(|c| tls::peer_cn(c));
+    let activity = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let io = Watched {
+        inner: tls,
+        activity: activity.clone(),
+        started,
+    };
+    let client = Arc::new(super::http::Client { cn, remote });
+    let st = state.clone();
+    let service = service_fn(move |req| super::http::handle(st.clone(), client.clone(), req));
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
+    tokio::pin!(conn);
+    let watchdog = async {
+        loop {
+            tokio::time::sleep(idle / 4).await;
+            let last = Duration::from_millis(activity.load(Ordering::Relaxed));
+            if started.elapsed().saturating_sub(last) > idle {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = state.cancel.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(Duration::from_secs(1), conn).await;
+        }
+        r = &mut conn => {
+            if let Err(e) = r {
+                if e.is_timeout() {
+                    state.counters.timed_out.fetch_add(1, Ordering::Relaxed);
+                }
+                log::debug!("gateway: connection from {remote} ended: {e}");
+            }
+        }
+        _ = watchdog => {
+            state.counters.timed_out.fetch_add(1, Ordering::Relaxed);
+            log::info!("gateway: closed the connection of {remote}: idle for {idle:?}");
+        }
+    }
+}
+
+/// A stream that records when bytes last moved (milliseconds since `started`).
+struct Watched<S> {
+    inner: S,
+    activity: Arc<AtomicU64>,
+    started: Instant,
+}
+
+impl<S> Watched<S> {
+    fn touch(&self) {
+        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.activity.store(ms, Ordering::Relaxed);
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.touch();
+        }
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.touch();
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}

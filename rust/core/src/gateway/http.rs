@@ -1,0 +1,236 @@
+//! Requests: routing, authentication, the rate limit and the publish
+//! endpoint.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+
+use super::auth::{self, Access, AuthError, Identity};
+use super::publish::publish_body;
+use super::reply::{full, header_str, json, param, percent_decode, query, refuse, Body, Refusal};
+use super::State;
+use crate::envelope::{validate_name, NameKind};
+
+static REFUSALS_LOGGED: crate::lograte::RateLimit =
+    crate::lograte::RateLimit::new(std::time::Duration::from_secs(10));
+
+/// The OpenAPI 3.1 description of this API.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// The connection a request came on.
+pub(super) struct Client {
+    /// Subject CN of the verified client certificate, if one was presented.
+    pub cn: Option<String>,
+    pub remote: SocketAddr,
+}
+
+/// Who sent `req` (certificate or bearer token, or `access_token` in the
+/// query for browsers' EventSource, which cannot set headers).
+fn authenticate(
+    state: &State,
+    client: &Client,
+    req: &Request<Incoming>,
+) -> Result<Identity, Refusal> {
+    let bearer = header_str(req, "authorization")
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(|t| t.trim().to_owned());
+    let token = bearer.or_else(|| param(&query(req), "access_token").map(str::to_owned));
+    let access = state
+        .access
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    auth::identify(
+        client.cn.as_deref(),
+        token.as_deref(),
+        &access.peers,
+        &access.tokens,
+    )
+    .map_err(|e| match e {
+        AuthError::Missing => Refusal::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "no credentials: present a client certificate or an Authorization: Bearer token",
+        ),
+        AuthError::BadToken => Refusal::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "the bearer token is not one of gateway.tokens",
+        ),
+        AuthError::UnknownPeer(cn) => Refusal::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!("certificate CN {cn:?} is not in hub.allowed_peers"),
+        ),
+    })
+}
+
+/// Entry point of every request.
+pub(super) async fn handle(
+    state: Arc<State>,
+    client: Arc<Client>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    state.counters.requests.fetch_add(1, Ordering::Relaxed);
+    let resp = match route(&state, &client, req).await {
+        Ok(r) => r,
+        Err(r) => {
+            // Counted always; logged at most once per 10 s (a flood of bad
+            // requests must not flood the log).
+            if let Some(more) = REFUSALS_LOGGED.check() {
+                log::info!(
+                    "gateway: refused a request of {}: {} {} ({more} more refusals since the last report)",
+                    client.remote,
+                    r.status,
+                    r.message
+                );
+            }
+            refuse(&state, r)
+        }
+    };
+    Ok(resp)
+}
+
+async fn route(
+    state: &Arc<State>,
+    client: &Client,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Refusal> {
+    let path = req.uri().path().to_owned();
+    if path == "/v1/openapi.json" {
+        return Ok(full(
+            StatusCode::OK,
+            "application/json",
+            OPENAPI.as_bytes().to_vec(),
+        ));
+    }
+    let rest = path.strip_prefix("/v1/channels/").ok_or_else(|| {
+        Refusal::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no such path {path:?}"),
+        )
+    })?;
+    let (channel, tail) = rest.split_once('/').unwrap_or((rest, ""));
+    let channel = percent_decode(channel);
+    if tail != "messages" && tail != "ws" {
+        return Err(Refusal::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no such path {path:?}: use /v1/channels/{{channel}}/messages or /ws"),
+        ));
+    }
+    let identity = authenticate(state, client, &req)?;
+    if let Err(wait) = state.limiter.check(&identity.label) {
+        let mut r = Refusal::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limited",
+            format!(
+                "{} is over gateway.rate_limit_per_s ({}/s); retry later",
+                identity.label, state.cfg.rate_limit_per_s
+            ),
+        );
+        r.retry_after = Some(wait.as_secs_f64().ceil() as u64);
+        return Err(r);
+    }
+    validate_name(NameKind::Channel, &channel)
+        .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "invalid", e.to_string()))?;
+    let forbidden = |access: Access| {
+        Refusal::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!(
+                "{} may not {} channel {channel:?}",
+                identity.label,
+                match access {
+                    Access::Publish => "publish to",
+                    Access::Subscribe => "subscribe to",
+                }
+            ),
+        )
+    };
+    match (req.method(), tail) {
+        (&Method::POST, "messages") => {
+            if !identity.allows(Access::Publish, &channel) {
+                return Err(forbidden(Access::Publish));
+            }
+            super::publish::check_channel_budget(state, &identity, &channel)?;
+            publish(state, &channel, req).await
+        }
+        (&Method::GET, "messages") => {
+            if !identity.allows(Access::Subscribe, &channel) {
+                return Err(forbidden(Access::Subscribe));
+            }
+            let create = identity.names(Access::Subscribe, &channel);
+            let sse = header_str(&req, "accept").is_some_and(|a| a.contains("text/event-stream"));
+            if sse {
+                super::stream::sse(state, &channel, &req, create).await
+            } else {
+                super::stream::long_poll(state, &channel, &req, create).await
+            }
+        }
+        (&Method::GET, "ws") => {
+            if !identity.allows(Access::Publish, &channel)
+                && !identity.allows(Access::Subscribe, &channel)
+            {
+                return Err(forbidden(Access::Subscribe));
+            }
+            super::ws::upgrade(state, &channel, req, identity)
+        }
+        _ => Err(Refusal::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!("{} is not served on {path:?}", req.method()),
+        )),
+    }
+}
+
+async fn publish(
+    state: &Arc<State>,
+    channel: &str,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Refusal> {
+    let max = state.cfg.max_body_bytes;
+    let too_large = || {
+        Refusal::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("the body is over gateway.max_body_bytes ({max} bytes); send fewer or smaller messages"),
+        )
+    };
+    let declared = header_str(&req, "content-length").and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(too_large());
+    }
+    let default_type = header_str(&req, "keyop-payload-type").map(str::to_owned);
+    let body = Limited::new(req.into_body(), max)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                too_large()
+            } else {
+                Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid",
+                    format!("cannot read the body: {e}"),
+                )
+            }
+        })?
+        .to_bytes();
+    let published = publish_body(state, channel, &body, default_type.as_deref()).await?;
+    let ids: Vec<&str> = published.iter().map(|p| p.0.as_str()).collect();
+    let offsets: Vec<u64> = published.iter().map(|p| p.1).collect();
+    Ok(json(
+        StatusCode::CREATED,
+        &serde_json::json!({"ids": ids, "offsets": offsets}),
+    ))
+}

@@ -1,0 +1,195 @@
+//! Responses and what requests carry: JSON bodies, refusals (counted by
+//! reason), query parameters and headers.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{self, HeaderValue};
+use hyper::{Request, Response, StatusCode};
+
+use super::State;
+use crate::Error;
+
+/// Response bodies: whole or streamed.
+pub(super) type Body = BoxBody<Bytes, Infallible>;
+
+/// A refusal: its status, a short code and the message for the caller.
+pub(super) struct Refusal {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub retry_after: Option<u64>,
+}
+
+impl Refusal {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Refusal {
+        Refusal {
+            status,
+            code,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+}
+
+pub(super) fn full(
+    status: StatusCode,
+    content_type: &'static str,
+    body: Vec<u8>,
+) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(body)).boxed());
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+pub(super) fn json(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
+    full(
+        status,
+        "application/json",
+        serde_json::to_vec(v).unwrap_or_default(),
+    )
+}
+
+/// The JSON error body of a refusal (counted by reason).
+pub(super) fn refuse(state: &State, r: Refusal) -> Response<Body> {
+    let c = &state.counters;
+    let counter = match r.status {
+        StatusCode::UNAUTHORIZED => Some(&c.refused_unauthenticated),
+        StatusCode::FORBIDDEN => Some(&c.refused_forbidden),
+        StatusCode::PAYLOAD_TOO_LARGE => Some(&c.refused_too_large),
+        StatusCode::TOO_MANY_REQUESTS => Some(&c.refused_rate_limited),
+        StatusCode::SERVICE_UNAVAILABLE if r.code == "too_many_streams" => {
+            Some(&c.refused_too_many_streams)
+        }
+        StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => {
+            Some(&c.refused_bad_request)
+        }
+        _ => None,
+    };
+    if let Some(counter) = counter {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+    let mut resp = json(
+        r.status,
+        &serde_json::json!({"error": r.code, "message": r.message}),
+    );
+    if r.status == StatusCode::UNAUTHORIZED {
+        resp.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"keyop-messenger\""),
+        );
+    }
+    if let Some(s) = r.retry_after {
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(s.max(1)));
+    }
+    resp
+}
+
+/// Maps an engine error onto a refusal (nothing was stored).
+pub(super) fn engine_refusal(e: &Error) -> Refusal {
+    let (status, code) = match e {
+        Error::InvalidName(_) | Error::InvalidRecord(_) | Error::Config(_) => {
+            (StatusCode::BAD_REQUEST, "invalid")
+        }
+        Error::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
+        Error::Closed(_) | Error::Forked(_) => (StatusCode::SERVICE_UNAVAILABLE, "closed"),
+        Error::Policy(_) => (StatusCode::FORBIDDEN, "forbidden"),
+        Error::DataLoss(_) => (StatusCode::GONE, "data_loss"),
+        Error::Storage(crate::StorageError::ChannelNotFound { channel, .. }) => {
+            return Refusal::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("channel {channel:?} does not exist (yet): publish to it first"),
+            )
+        }
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "storage"),
+    };
+    Refusal::new(status, code, e.to_string())
+}
+
+/// Query parameters, percent-decoded.
+pub(super) fn query(req: &Request<Incoming>) -> Vec<(String, String)> {
+    req.uri()
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+pub(super) fn param<'a>(q: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    q.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+pub(super) fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok();
+                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+pub(super) fn header_str<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
+    req.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+/// `Retry-After` for a refused stream.
+pub(super) fn too_many_streams(state: &State) -> Refusal {
+    let mut r = Refusal::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "too_many_streams",
+        format!(
+            "gateway.max_streams ({}) streams are open; retry later",
+            state.cfg.max_streams
+        ),
+    );
+    r.retry_after = Some(1);
+    r
+}
+
+/// Most a long poll may wait: `gateway.max_wait_ms`, and well within the idle timeout.
+pub(super) fn max_wait(state: &State) -> Duration {
+    Duration::from_millis(state.cfg.max_wait_ms.min(state.cfg.idle_timeout_ms / 2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percent_decode;
+
+    #[test]
+    fn decodes_percent_escapes() {
+        assert_eq!(
+            percent_decode("2026-11-27T08%3A00%3A00Z"),
+            "2026-11-27T08:00:00Z"
+        );
+        assert_eq!(percent_decode("a+b%"), "a b%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+    }
+}

@@ -1,0 +1,356 @@
+//! Reading channels for clients: start positions, Server-Sent Events and
+//! long-poll JSON. Every position handed out (an SSE event's `id:`, a long
+//! poll's `next`) is the global offset just past a record: the place to
+//! resume from.
+
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use hyper::body::{Bytes, Frame, Incoming};
+use hyper::header::{self, HeaderValue};
+use hyper::{Request, Response, StatusCode};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+
+use super::reply::{self as http, Body, Refusal};
+use super::State;
+use crate::envelope::Envelope;
+use crate::storage::{ChannelWriter, Item, LogReader};
+use crate::StartPosition;
+
+/// Interval of SSE comments on a quiet stream (keeps proxies and the idle
+/// timeout from closing it while the client reads): 15 s, or a third of a
+/// shorter idle timeout.
+fn heartbeat(state: &State) -> Duration {
+    Duration::from_secs(15).min(Duration::from_millis(state.cfg.idle_timeout_ms.max(3) / 3))
+}
+/// Records read per step of a stream.
+const STEP: usize = 256;
+/// Largest `limit` of a long poll.
+pub const MAX_LIMIT: usize = 1000;
+
+/// Parses `earliest`, `latest`, a byte offset or an RFC 3339 time.
+pub(super) fn parse_position(text: &str) -> Result<StartPosition, Refusal> {
+    match text {
+        "earliest" => Ok(StartPosition::Earliest),
+        "latest" => Ok(StartPosition::Latest),
+        t if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) => t
+            .parse()
+            .map(StartPosition::Offset)
+            .map_err(|e| bad(format!("offset {t:?}: {e}"))),
+        t => chrono::DateTime::parse_from_rfc3339(t)
+            .ok()
+            .and_then(|d| d.timestamp_nanos_opt())
+            .map(StartPosition::Time)
+            .ok_or_else(|| {
+                bad(format!(
+                    "position {t:?} is not earliest, latest, a byte offset or an ISO 8601 time \
+                     such as 2026-11-27T08:00:00Z"
+                ))
+            }),
+    }
+}
+
+fn bad(message: String) -> Refusal {
+    Refusal::new(StatusCode::BAD_REQUEST, "invalid", message)
+}
+
+/// A stream slot, released (and the gauge lowered) when dropped.
+pub(super) struct Slot {
+    _permit: OwnedSemaphorePermit,
+    state: Arc<State>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.state
+            .counters
+            .streams_open
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+pub(super) fn take_slot(state: &Arc<State>) -> Result<Slot, Refusal> {
+    let permit = state
+        .streams
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| http::too_many_streams(state))?;
+    state.counters.streams_open.fetch_add(1, Ordering::Relaxed);
+    Ok(Slot {
+        _permit: permit,
+        state: state.clone(),
+    })
+}
+
+/// A reader of `channel` at `pos` and its writer. With `create` (the
+/// client's list names the channel) reading creates it, as a local
+/// subscribe does, so a client may listen before the first message;
+/// otherwise a channel that does not exist is a 404.
+pub(super) fn open_reader(
+    state: &State,
+    channel: &str,
+    pos: StartPosition,
+    create: bool,
+) -> Result<(LogReader, Arc<ChannelWriter>), Refusal> {
+    let engine = state.engine.upgrade().ok_or_else(|| {
+        Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "closed",
+            "the messenger is closed",
+        )
+    })?;
+    engine
+        .open_reader(channel, pos, create)
+        .map_err(|e| http::engine_refusal(&e))
+}
+
+/// One readable item of a channel, as clients see it.
+pub(super) enum Event {
+    Record {
+        offset: u64,
+        next: u64,
+        line: Vec<u8>,
+    },
+    Gap {
+        from: u64,
+        to: u64,
+    },
+}
+
+/// Reads at most `max` events up to the committed end. Records that are not
+/// valid envelopes are skipped (the subscriber path quarantines them).
+pub(super) fn read_events(
+    reader: &mut LogReader,
+    writer: &ChannelWriter,
+    max: usize,
+) -> std::io::Result<Vec<Event>> {
+    let limit = writer.committed_end();
+    let mut out = Vec::new();
+    while out.len() < max {
+        let Some(item) = reader.next_item(limit)? else {
+            break;
+        };
+        let next = item.next_offset();
+        match item {
+            Item::Record { offset, line, .. } => {
+                if Envelope::decode(&line).is_ok() {
+                    out.push(Event::Record { offset, next, line });
+                }
+            }
+            Item::Gap { from, to } => out.push(Event::Gap { from, to }),
+            Item::Oversize { .. } => {}
+        }
+    }
+    Ok(out)
+}
+
+/// A response body fed by a task through a channel; dropping it (the
+/// client went away) ends the task's sends.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// `GET .../messages` with `Accept: text/event-stream`: events from
+/// `Last-Event-ID` (a reconnect) or `from` (default `latest`).
+pub(super) async fn sse(
+    state: &Arc<State>,
+    channel: &str,
+    req: &Request<Incoming>,
+    create: bool,
+) -> Result<Response<Body>, Refusal> {
+    let q = http::query(req);
+    let pos = match http::header_str(req, "last-event-id") {
+        Some(id) => StartPosition::Offset(id.trim().parse().map_err(|_| {
+            bad(format!(
+                "Last-Event-ID {id:?} is not a position this gateway sent"
+            ))
+        })?),
+        None => parse_position(http::param(&q, "from").unwrap_or("latest"))?,
+    };
+    let slot = take_slot(state)?;
+    let (reader, writer) = open_reader(state, channel, pos, create)?;
+    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    let st = state.clone();
+    tokio::spawn(async move {
+        let _slot = slot;
+        sse_loop(st, reader, writer, tx).await;
+    });
+    let mut resp = Response::new(ChannelBody { rx }.boxed());
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    Ok(resp)
+}
+
+async fn sse_loop(
+    state: Arc<State>,
+    mut reader: LogReader,
+    writer: Arc<ChannelWriter>,
+    tx: mpsc::Sender<Bytes>,
+) {
+    // The position first, so a client knows where it stands before any record.
+    let hello = format!("retry: 2000\nid: {}\n\n", reader.position());
+    if tx.send(Bytes::from(hello)).await.is_err() {
+        return;
+    }
+    loop {
+        let events = match tokio::task::block_in_place(|| read_events(&mut reader, &writer, STEP)) {
+            Ok(e) => e,
+            Err(e) => {
+                log::error!("gateway: cannot read channel {:?}: {e}", writer.channel());
+                let _ = tx
+                    .send(Bytes::from(format!(
+                        "event: error\ndata: {{\"message\":{:?}}}\n\n",
+                        e.to_string()
+                    )))
+                    .await;
+                return;
+            }
+        };
+        if !events.is_empty() {
+            let mut buf = Vec::new();
+            let mut n = 0u64;
+            for ev in events {
+                match ev {
+                    Event::Record { next, line, .. } => {
+                        buf.extend_from_slice(format!("id: {next}\ndata: ").as_bytes());
+                        buf.extend_from_slice(&line);
+                        buf.extend_from_slice(b"\n\n");
+                        n += 1;
+                    }
+                    Event::Gap { from, to } => buf.extend_from_slice(
+                        format!("event: gap\nid: {to}\ndata: {{\"from\":{from},\"to\":{to}}}\n\n")
+                            .as_bytes(),
+                    ),
+                }
+            }
+            tokio::select! {
+                _ = state.cancel.cancelled() => return,
+                r = tx.send(Bytes::from(buf)) => if r.is_err() { return },
+            }
+            state.counters.delivered.fetch_add(n, Ordering::Relaxed);
+            continue;
+        }
+        tokio::select! {
+            _ = state.cancel.cancelled() => return,
+            _ = tx.closed() => return,
+            _ = writer.notifier().changed_past(reader.position()) => {
+                if writer.notifier().committed_end() <= reader.position() {
+                    // The channel was closed (the messenger is closing).
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+            _ = tokio::time::sleep(heartbeat(&state)) => {
+                if tx.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// `GET .../messages` without SSE: up to `limit` records after position
+/// `after` (or from `from`), waiting up to `wait` seconds for the first.
+pub(super) async fn long_poll(
+    state: &Arc<State>,
+    channel: &str,
+    req: &Request<Incoming>,
+    create: bool,
+) -> Result<Response<Body>, Refusal> {
+    let q = http::query(req);
+    let pos = match (http::param(&q, "after"), http::param(&q, "from")) {
+        (Some(a), _) => StartPosition::Offset(
+            a.parse()
+                .map_err(|_| bad(format!("after={a:?} is not a position (a byte offset)")))?,
+        ),
+        (None, Some(f)) => parse_position(f)?,
+        (None, None) => StartPosition::Earliest,
+    };
+    let limit = match http::param(&q, "limit") {
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_LIMIT).contains(n))
+            .ok_or_else(|| bad(format!("limit={l:?} must be between 1 and {MAX_LIMIT}")))?,
+        None => 100,
+    };
+    let wait = match http::param(&q, "wait") {
+        Some(w) => w
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| bad(format!("wait={w:?} must be a number of seconds >= 0")))?,
+        None => Duration::ZERO,
+    }
+    .min(http::max_wait(state));
+    let _slot = take_slot(state)?;
+    let (mut reader, writer) = open_reader(state, channel, pos, create)?;
+    let deadline = tokio::time::Instant::now() + wait;
+    let events = loop {
+        let events = tokio::task::block_in_place(|| read_events(&mut reader, &writer, limit))
+            .map_err(|e| {
+                Refusal::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "storage",
+                    format!("cannot read channel {channel:?}: {e}"),
+                )
+            })?;
+        if !events.is_empty() || tokio::time::Instant::now() >= deadline {
+            break events;
+        }
+        tokio::select! {
+            _ = state.cancel.cancelled() => break events,
+            _ = writer.notifier().changed_past(reader.position()) => {
+                if writer.notifier().committed_end() <= reader.position() {
+                    break events;
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {}
+        }
+    };
+    let mut out = Vec::with_capacity(events.len());
+    let mut gaps = Vec::new();
+    for ev in events {
+        match ev {
+            Event::Record { offset, next, line } => {
+                let raw = serde_json::value::RawValue::from_string(
+                    String::from_utf8_lossy(&line).into_owned(),
+                );
+                if let Ok(raw) = raw {
+                    out.push(serde_json::json!({"offset": offset, "next": next, "message": raw}));
+                }
+            }
+            Event::Gap { from, to } => gaps.push(serde_json::json!({"from": from, "to": to})),
+        }
+    }
+    state
+        .counters
+        .delivered
+        .fetch_add(out.len() as u64, Ordering::Relaxed);
+    let body = serde_json::json!({
+        "messages": out,
+        "gaps": gaps,
+        "next": reader.position(),
+    });
+    Ok(http::json(StatusCode::OK, &body))
+}
