@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import _core
+# The engine's class: it builds one per delivered record (a Python class
+# cost more than the rest of delivery); documented in _core.pyi.
+from ._core import Message
 from .payloads import PayloadRegistry
 
 __all__ = ["LogEntry", "Message"]
-
-# Built by the engine, one per delivered record (a Python class cost more
-# than the rest of delivery); documented in _core.pyi.
-Message = _core.Message
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

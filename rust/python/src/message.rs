@@ -26,9 +26,17 @@ const MICROS_PER_DAY: i64 = 86_400_000_000;
 
 /// One message as stored in a channel (read-only).
 ///
-/// Attributes: `id`, `channel`, `origin`, `payload_type`, `payload`,
-/// `timestamp`, `service_name`, `correlation_id` (see the stub for their
-/// documentation).
+/// Attributes:
+///     id: Message id (a UUIDv7 for messages published by keyop-messenger).
+///     channel: Channel the message was published to.
+///     origin: Instance name of the original publisher.
+///     payload_type: Type discriminator chosen by the publisher.
+///     payload: The payload, decoded into the registered type, else plain JSON data.
+///         A delivered message keeps its payload as JSON text until this is first
+///         read, so a handler that never reads it never pays for decoding it.
+///     timestamp: Publish time, an aware UTC datetime (microsecond precision).
+///     service_name: Name of the publishing service, if set.
+///     correlation_id: Correlation id, if set.
 #[pyclass(module = "keyop_messenger", name = "Message", frozen)]
 pub struct Message {
     #[pyo3(get)]
@@ -153,8 +161,7 @@ impl Message {
     ) -> PyResult<Self> {
         let ts = PyOnceLock::new();
         let mut ts_nanos = 0;
-        if timestamp.is_instance_of::<PyInt>() && !timestamp.is_instance_of::<PyBool>()
-        {
+        if timestamp.is_instance_of::<PyInt>() && !timestamp.is_instance_of::<PyBool>() {
             ts_nanos = timestamp.extract::<i64>()?;
         } else {
             let _ = ts.set(py, timestamp.unbind());
