@@ -9,7 +9,9 @@ to the dead letters as raw text, and delivery goes on with the next record.
 
 from __future__ import annotations
 
+import copy
 import datetime
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -56,6 +58,8 @@ def test_delivered_message_has_every_field(tmp_path: Path) -> None:
         hash(msg)
     with pytest.raises(AttributeError):
         msg.payload = 1  # type: ignore[misc]
+    for clone in (pickle.loads(pickle.dumps(msg)), copy.copy(msg), copy.deepcopy(msg)):
+        assert type(clone) is Message and clone == msg
 
 
 def test_message_built_by_hand_takes_nanoseconds_or_a_datetime() -> None:

@@ -53,6 +53,8 @@ pub struct Message {
     correlation_id: Option<Py<PyAny>>,
     /// Nanoseconds since the epoch (when built from a record).
     ts_nanos: i64,
+    /// Built with a datetime rather than nanoseconds.
+    from_datetime: bool,
     ts: PyOnceLock<Py<PyAny>>,
     /// The payload's JSON text, until decoded into `payload`.
     raw: Option<Box<str>>,
@@ -82,6 +84,7 @@ impl Message {
             service_name,
             correlation_id,
             ts_nanos,
+            from_datetime: false,
             ts: PyOnceLock::new(),
             raw: Some(raw.into()),
             payload: PyOnceLock::new(),
@@ -161,10 +164,12 @@ impl Message {
     ) -> PyResult<Self> {
         let ts = PyOnceLock::new();
         let mut ts_nanos = 0;
-        if timestamp.is_instance_of::<PyInt>() && !timestamp.is_instance_of::<PyBool>() {
-            ts_nanos = timestamp.extract::<i64>()?;
-        } else {
+        let from_datetime =
+            !timestamp.is_instance_of::<PyInt>() || timestamp.is_instance_of::<PyBool>();
+        if from_datetime {
             let _ = ts.set(py, timestamp.unbind());
+        } else {
+            ts_nanos = timestamp.extract::<i64>()?;
         }
         let value = PyOnceLock::new();
         let _ = value.set(py, payload);
@@ -176,6 +181,7 @@ impl Message {
             service_name,
             correlation_id,
             ts_nanos,
+            from_datetime,
             ts,
             raw: None,
             payload: value,
@@ -209,6 +215,17 @@ impl Message {
         Ok(self.ts.get_or_init(py, || dt).bind(py).clone())
     }
 
+    /// The publish time in nanoseconds since the epoch (an `int`) for a
+    /// message built from a record or from nanoseconds, else the datetime it
+    /// was built with: the command line prints records' full precision.
+    #[getter]
+    fn _ts(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        if self.from_datetime {
+            return Ok(self.timestamp(py)?.unbind());
+        }
+        Ok(self.ts_nanos.into_pyobject(py)?.into_any().unbind())
+    }
+
     /// This message with `payload` in place of its payload (how a
     /// registered type's decoding replaces the plain JSON data).
     fn _with_payload(&self, py: Python<'_>, payload: Py<PyAny>) -> Self {
@@ -222,6 +239,7 @@ impl Message {
             service_name: self.service_name.as_ref().map(|v| v.clone_ref(py)),
             correlation_id: self.correlation_id.as_ref().map(|v| v.clone_ref(py)),
             ts_nanos: self.ts_nanos,
+            from_datetime: self.from_datetime,
             ts: self.ts.clone_ref(py),
             raw: None,
             payload: value,
@@ -250,6 +268,27 @@ impl Message {
             CompareOp::Ne => Ok((!equal).into_pyobject(py)?.to_owned().into_any().unbind()),
             _ => Ok(py.NotImplemented()),
         }
+    }
+
+    /// Pickles (and copies) as the constructor's arguments, payload and
+    /// timestamp decoded.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let m = slf.get();
+        let args = PyTuple::new(
+            py,
+            [
+                m.id.bind(py).clone(),
+                m.channel.bind(py).clone(),
+                m.origin.bind(py).clone(),
+                m.payload_type.bind(py).clone(),
+                m.payload(py)?,
+                m.timestamp(py)?,
+                opt(py, &m.service_name),
+                opt(py, &m.correlation_id),
+            ],
+        )?;
+        PyTuple::new(py, [slf.get_type().into_any(), args.into_any()])
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
