@@ -144,9 +144,11 @@ def test_quick_bench_prints_every_figure() -> None:
     results = json.loads(done.stdout)
     for key in (
         "publish_relaxed_per_s",
-        "cpu_us_per_publish_relaxed",
-        "cpu_us_per_publish_durable",
-        "cpu_us_per_delivery",
+        "cpu_us_per_msg_publish_relaxed",
+        "cpu_us_per_msg_publish_durable",
+        "cpu_us_per_msg_subscribe",
+        "cpu_us_per_msg_federated",
+        "rss_idle_client_small_mb",
         "raw_fdatasync_16_records_per_s",
         "publish_durable_16_disk_ceiling_ratio",
         "thread_handoff_16_us",
@@ -163,10 +165,11 @@ def test_quick_bench_prints_every_figure() -> None:
 
 
 def test_idle_memory_probes_measure_each_kind(tmp_path: Path) -> None:
-    """The footprint probes start a local messenger, a 2-hub client and a hub
-    whose 10 peers really connect, each in a child process that ends."""
+    """The footprint probes start a local messenger, a 2-hub client (also with
+    the small-board profile) and a hub whose 10 peers really connect, each in
+    a child process that ends."""
     rss = bench.rss_idle_mb(tmp_path, peers=10)
-    assert set(rss) == {"local", "client", "hub"}
+    assert set(rss) == {"local", "client", "client-small", "hub"}
     for kind, mb in rss.items():
         assert 0 < mb < 500, f"{kind}: {mb} MB above the interpreter is not a plausible reading"
 

@@ -1,9 +1,10 @@
 """Type stubs of the compiled engine module (kept in step with rust/python/src/lib.rs)."""
 
+import datetime
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from os import PathLike
-from typing import Any, Literal, final, overload
+from typing import Any, ClassVar, Literal, final, overload
 
 from typing_extensions import Self, disjoint_base
 
@@ -12,6 +13,7 @@ __all__ = [
     "Completer",
     "Engine",
     "EphemeralClient",
+    "Message",
     "MessengerBase",
     "Receipt",
     "RecordIter",
@@ -34,6 +36,58 @@ MAX_RECORD_BYTES: int
 
 _Row = tuple[int, int, str, int, str, str, str, str | None, str | None, Any]
 _DeliveryRow = tuple[int, str, int, str, str, str, str | None, str | None, Any]
+
+@final
+class Message:
+    """One message as stored in a channel (read-only).
+
+    Attributes:
+        id: Message id (a UUIDv7 for messages published by keyop-messenger).
+        channel: Channel the message was published to.
+        origin: Instance name of the original publisher.
+        payload_type: Type discriminator chosen by the publisher.
+        payload: The payload, decoded into the registered type, else plain JSON data.
+            A delivered message keeps its payload as JSON text until this is first
+            read, so a handler that never reads it never pays for decoding it.
+        timestamp: Publish time, an aware UTC datetime (microsecond precision).
+        service_name: Name of the publishing service, if set.
+        correlation_id: Correlation id, if set.
+    """
+
+    __hash__: ClassVar[None]  # type: ignore[assignment]
+    def __new__(
+        cls,
+        id: str,
+        channel: str,
+        origin: str,
+        payload_type: str,
+        payload: Any,
+        timestamp: datetime.datetime | int,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+    ) -> Self: ...
+    @property
+    def id(self) -> str: ...
+    @property
+    def channel(self) -> str: ...
+    @property
+    def origin(self) -> str: ...
+    @property
+    def payload_type(self) -> str: ...
+    @property
+    def payload(self) -> Any: ...
+    @property
+    def timestamp(self) -> datetime.datetime: ...
+    @property
+    def service_name(self) -> str | None: ...
+    @property
+    def correlation_id(self) -> str | None: ...
+    @property
+    def _ts(self) -> int | datetime.datetime: ...
+    def _with_payload(self, payload: Any) -> Message: ...
+    def _unreadable(self) -> str | None: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __reduce__(self) -> tuple[type[Message], tuple[Any, ...]]: ...
 
 @disjoint_base
 class MessengerBase:
@@ -169,7 +223,9 @@ class Engine:
         self,
         channel: str,
         subscriber_id: str,
-        deliver: Callable[[list[_DeliveryRow]], tuple[int, tuple[bool, str] | None]],
+        deliver: Callable[
+            [list[Message]], tuple[int, tuple[bool, str] | tuple[bool, str, bool] | None]
+        ],
         *,
         max_retries: int = 5,
         offset_flush_interval_ms: int = 0,

@@ -581,6 +581,10 @@ def _deliver_backlog(m: Any, n: int) -> Sample:
     return delivered
 
 
+#: The environment of the small-board profile (docs/performance.md): one
+#: worker thread in the engine's federation runtime.
+SMALL_PROFILE_ENV = {"KEYOP_MESSENGER_WORKER_THREADS": "1"}
+
 #: The child process of :func:`rss_idle_mb`: prints its resident memory (kB)
 #: once idle. argv: kind (bare, local, client, hub), pki dir, data dir, peers.
 _RSS_PROBE = """
@@ -593,7 +597,7 @@ if kind == 'bare':
 import keyop_messenger as km
 doc = {'name': 'probe', 'storage': {'data_dir': data}}
 tls = {'cert': pki + '/probe.crt', 'key': pki + '/probe.key', 'ca': pki + '/ca.crt'}
-if kind == 'client':
+if kind.startswith('client'):
     doc.update(tls=tls, client={'enabled': True, 'hubs': [
         {'addr': '127.0.0.1:9', 'publish': ['a']}, {'addr': '127.0.0.1:9', 'publish': ['b']}]})
 elif kind == 'hub':
@@ -634,7 +638,8 @@ for c in clients:
 def rss_idle_mb(root: Path, peers: int = 10) -> dict[str, float]:
     """Resident memory (MB) above a bare interpreter of idle messengers, each
     in its own child process: local only, a client with 2 hubs configured
-    (none reachable, so it keeps redialling), and a hub with ``peers``
+    (none reachable, so it keeps redialling), the same client with the
+    small-board profile's environment (``SMALL_PROFILE_ENV``), and a hub with ``peers``
     connected peers (ephemeral clients in another process)."""
     from . import _core
 
@@ -646,12 +651,15 @@ def rss_idle_mb(root: Path, peers: int = 10) -> dict[str, float]:
         _core.keygen_instance(ca, ca_key, name, pki / f"{name}.crt", pki / f"{name}.key",
                               sans=["127.0.0.1"])
 
-    def start(script: str, *args: str) -> subprocess.Popen[str]:
+    def start(script: str, *args: str, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[str]:
         return subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True,
+                                env=None if env is None else {**os.environ, **env})
 
     def probe(kind: str) -> int:
-        child = start(_RSS_PROBE, kind, str(pki), str(root / f"rss-{kind}"), str(peers))
+        child = start(_RSS_PROBE, kind, str(pki), str(root / f"rss-{kind}"), str(peers),
+                      env=SMALL_PROFILE_ENV if kind.endswith("-small") else None)
         assert child.stdout is not None and child.stdin is not None
         peer_proc = None
         try:
@@ -671,7 +679,8 @@ def rss_idle_mb(root: Path, peers: int = 10) -> dict[str, float]:
                     proc.communicate(timeout=60)
 
     bare = probe("bare")
-    return {kind: (probe(kind) - bare) / 1024 for kind in ("local", "client", "hub")}
+    return {kind: (probe(kind) - bare) / 1024
+            for kind in ("local", "client", "client-small", "hub")}
 
 
 #: Throughput figures that ``--one-core`` measures again pinned to one CPU
@@ -850,21 +859,27 @@ def run(
                      "above the interpreter", decimals=1)
         suite.record("rss_idle_client_mb", rss["client"], "RSS of an idle 2-hub client (MB)",
                      "above the interpreter; target < 20", decimals=1)
+        suite.record("rss_idle_client_small_mb", rss["client-small"],
+                     "RSS of an idle 2-hub client, small-board profile (MB)",
+                     "above the interpreter; target < 10", decimals=1)
         suite.record("rss_idle_hub_10_peers_mb", rss["hub"],
                      "RSS of an idle hub, 10 peers (MB)", "above the interpreter", decimals=1)
         # CPU per message, from the timed loops above (process CPU, every thread).
         suite.value("cpu_us_per_raw_fdatasync", raw.cpu_us, decimals=1)
-        suite.record("cpu_us_per_publish_durable", durable[1].cpu_us,
+        suite.record("cpu_us_per_msg_publish_durable", durable[1].cpu_us,
                      "CPU per durable publish, 1 thread (us)",
                      f"{durable[1].cpu_us / raw.cpu_us:.1f} x raw write+fdatasync "
                      f"({raw.cpu_us:.1f} us)", decimals=1)
-        suite.record("cpu_us_per_publish_batch_100_durable", batch[100].cpu_us,
+        suite.record("cpu_us_per_msg_publish_batch_100_durable", batch[100].cpu_us,
                      "CPU per message, publish_batch(100) (us)",
                      _per_core(batch[100].cpu_us), decimals=1)
-        suite.record("cpu_us_per_publish_relaxed", relaxed.cpu_us,
+        suite.record("cpu_us_per_msg_publish_relaxed", relaxed.cpu_us,
                      "CPU per relaxed publish (us)", _per_core(relaxed.cpu_us), decimals=1)
-        suite.record("cpu_us_per_delivery", sub.cpu_us, "CPU per delivery (us)",
+        suite.record("cpu_us_per_msg_subscribe", sub.cpu_us, "CPU per delivery (us)",
                      _per_core(sub.cpu_us), decimals=1)
+        suite.record("cpu_us_per_msg_federated", fed.cpu_us,
+                     "CPU per federated message, client and hub together (us)",
+                     _per_core(fed.cpu_us), decimals=1)
         if one_core:
             one_core_comparison(suite, quick)
     return suite.results, suite.rows

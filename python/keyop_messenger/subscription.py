@@ -25,7 +25,7 @@ Handler.__doc__ = (
     "raising means retry (then dead-letter)."
 )
 
-_Failure = tuple[bool, str] | None
+_Failure = tuple[bool, str] | tuple[bool, str, bool] | None
 
 
 class DeadLetter(Exception):
@@ -61,37 +61,48 @@ class Deliverer:
         """Hands no further message to the handler."""
         self.stopped = True
 
-    def __call__(self, rows: list[tuple[Any, ...]]) -> tuple[int, _Failure]:
-        """Hands ``rows`` to the handler in order; returns how many were handled and why the next
-        failed."""
-        # The delivery hot path: one tuple unpack, one Message and one handler
-        # call per row; payloads are decoded only for registered types.
+    def __call__(self, messages: list[Message]) -> tuple[int, _Failure]:
+        """Hands ``messages`` to the handler in order; returns how many were handled and why the
+        next failed."""
+        # The delivery hot path: one handler call per message. The engine
+        # built each Message with its payload still JSON text; it is decoded
+        # when first read (here for registered types, else by the handler).
         handler, entries, decode = self._handler, self._registry.entries, self._registry.decode
         i = 0
-        for _offset, id_, ts, channel, origin, ptype, service, corr, data in rows:
+        for message in messages:
             if self.stopped:
                 return i, None
-            if entries and ptype in entries:
+            if entries and message.payload_type in entries:
                 try:
-                    data = decode(ptype, data)
+                    message = message._with_payload(decode(message.payload_type,
+                                                           message.payload))
                 except PayloadTypeError as exc:
                     log.warning("%s/%s: undecodable message %s: %s", self._channel, self._id,
-                                id_, exc)
-                    return i, (True, str(exc))
-            message = Message(id_, channel, origin, ptype, data, ts, service, corr)
+                                message.id, exc)
+                    return i, self._unreadable(message) or (True, str(exc))
             try:
                 handler(message)
             except DeadLetter as exc:
                 log.info("%s/%s: handler dead-lettered %s: %s", self._channel, self._id,
-                         id_, exc.reason)
+                         message.id, exc.reason)
                 return i, (True, exc.reason)
             except Exception as exc:
+                unreadable = self._unreadable(message)
+                if unreadable is not None:
+                    return i, unreadable
                 log.warning("%s/%s: handler failed on %s: %r", self._channel, self._id,
-                            id_, exc)
+                            message.id, exc)
                 log.debug("handler traceback", exc_info=True)
                 return i, (False, f"{type(exc).__name__}: {exc}")
             i += 1
         return i, None
+
+    @staticmethod
+    def _unreadable(message: Message) -> _Failure:
+        """The failure of a message whose payload could not become a Python value (it goes to
+        the dead letters as raw text), else None."""
+        reason = message._unreadable()
+        return None if reason is None else (True, f"payload cannot be read: {reason}", True)
 
 
 @refuse_when_closed(

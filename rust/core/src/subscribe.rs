@@ -38,6 +38,10 @@ use crate::storage::offsets::{read_offset, write_offset};
 use crate::storage::quarantine::{self, decode_stored, quarantine, report_gap, split_point};
 use crate::storage::{segment, ChannelWriter, Item, LogReader};
 
+/// Most records the batch buffer is allocated for up front (a larger
+/// `max_batch` grows it as needed).
+const MAX_BATCH_CAPACITY: usize = 4096;
+
 /// One record handed to a handler.
 #[derive(Debug, Clone)]
 pub struct Delivery {
@@ -466,22 +470,23 @@ fn sane_start(
 
 impl<H: Handler> Worker<H> {
     fn run(mut self) {
+        // One batch buffer for the subscription's life: a fresh one per batch
+        // grew by reallocation to ~230 kB, mapped and unmapped every batch.
+        let mut batch = Vec::with_capacity(self.opts.max_batch.min(MAX_BATCH_CAPACITY));
         while !self.stop.is_set() {
             self.take_seek();
-            let batch = match self.read_batch() {
-                Ok(b) => b,
-                Err(e) => {
-                    log::error!(
-                        "channel {:?}: subscriber {:?}: read failed: {e}",
-                        self.channel,
-                        self.id
-                    );
-                    if self.stop.sleep(self.opts.poll_interval) {
-                        break;
-                    }
-                    continue;
+            batch.clear();
+            if let Err(e) = self.read_batch(&mut batch) {
+                log::error!(
+                    "channel {:?}: subscriber {:?}: read failed: {e}",
+                    self.channel,
+                    self.id
+                );
+                if self.stop.sleep(self.opts.poll_interval) {
+                    break;
                 }
-            };
+                continue;
+            }
             if batch.is_empty() {
                 self.flush_offset(false);
                 if self.seek_pending() {
@@ -528,11 +533,11 @@ impl<H: Handler> Worker<H> {
             .is_some()
     }
 
-    /// Reads up to `max_batch` decodable records. Unreadable lines and
-    /// skipped regions advance the acknowledged offset directly.
-    fn read_batch(&mut self) -> io::Result<Vec<Delivery>> {
+    /// Reads up to `max_batch` decodable records into `batch` (empty on
+    /// entry). Unreadable lines and skipped regions advance the acknowledged
+    /// offset directly.
+    fn read_batch(&mut self, batch: &mut Vec<Delivery>) -> io::Result<()> {
         let limit = self.writer.committed_end();
-        let mut batch = Vec::new();
         while batch.len() < self.opts.max_batch {
             let Some(item) = self.reader.next_item(limit)? else {
                 break;
@@ -587,7 +592,7 @@ impl<H: Handler> Worker<H> {
                 }
             }
         }
-        Ok(batch)
+        Ok(())
     }
 
     /// Calls the handler, recording consume latency (publish time to now,

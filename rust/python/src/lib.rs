@@ -9,6 +9,7 @@
 mod errors;
 mod json;
 mod keygen;
+mod message;
 mod receipt;
 
 use std::path::PathBuf;
@@ -503,11 +504,12 @@ impl PyEngine {
 
     /// Starts delivering `channel` to `deliver` as subscriber `subscriber_id`.
     ///
-    /// `deliver(rows)` is called with a list of rows `(offset, id, ts_nanos,
-    /// channel, origin, payload_type, service_name, correlation_id,
-    /// payload_json)` and returns `(handled, failure)`: how many leading rows
-    /// were handled, and `None` or `(reject, error_text)` for the row after
-    /// them (`reject`: dead-letter at once instead of retrying).
+    /// `deliver(messages)` is called with a list of `Message`s (payloads
+    /// decoded on first read) and returns `(handled, failure)`: how many
+    /// leading messages were handled, and `None` or `(reject, error_text)`
+    /// for the one after them (`reject`: dead-letter at once instead of
+    /// retrying), or `(True, error_text, True)` when its payload cannot
+    /// become a Python value (dead-lettered as raw text).
     ///
     /// `on_gap(from, to)` is called when bytes `from..to` the subscriber had
     /// not read are gone (delivery goes on at `to`).
@@ -990,6 +992,56 @@ fn retention(
     }
 }
 
+/// The `Message` handed to a subscription's delivery function for `e`.
+fn delivery_message(
+    py: Python<'_>,
+    dec: &mut PyDecoder,
+    e: &Envelope,
+) -> PyResult<Py<message::Message>> {
+    Py::new(
+        py,
+        message::Message::from_record(
+            PyString::new(py, &e.id).into_any().unbind(),
+            dec.field(py, json::CHANNEL, &e.channel).into_any().unbind(),
+            dec.field(py, json::ORIGIN, &e.origin).into_any().unbind(),
+            dec.field(py, json::PAYLOAD_TYPE, &e.payload_type)
+                .into_any()
+                .unbind(),
+            e.service_name
+                .as_deref()
+                .map(|s| dec.field(py, json::SERVICE_NAME, s).into_any().unbind()),
+            e.correlation_id
+                .as_deref()
+                .map(|s| PyString::new(py, s).into_any().unbind()),
+            e.ts_nanos,
+            e.payload.get(),
+        ),
+    )
+}
+
+/// Reads the delivery function's `(handled, failure)`: `failure` is None, or
+/// `(reject, error_text)`, or `(reject, error_text, True)` for a record
+/// whose payload cannot become a Python value (dead-lettered as raw text).
+fn delivery_outcome(result: &Bound<'_, PyAny>) -> PyResult<BatchOutcome> {
+    let (handled, failure) = result.extract::<(usize, Option<Bound<'_, PyTuple>>)>()?;
+    let failure = match failure {
+        None => None,
+        Some(t) => {
+            let reject: bool = t.get_item(0)?.extract()?;
+            let text: String = t.get_item(1)?.extract()?;
+            let unreadable = t.len() > 2 && t.get_item(2)?.extract::<bool>()?;
+            Some(if unreadable {
+                Failure::Unreadable(text)
+            } else if reject {
+                Failure::Reject(text)
+            } else {
+                Failure::Retry(text)
+            })
+        }
+    };
+    Ok(BatchOutcome { handled, failure })
+}
+
 /// Calls the Python delivery function with the GIL held, once per batch,
 /// and `on_gap(from, to)` (if given) for each gap.
 struct PyHandler {
@@ -1038,52 +1090,31 @@ fn delivery_row<'a, 'py>(
 impl Handler for PyHandler {
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
         Python::attach(|py| {
-            // Rows up to the first payload that cannot become a Python
-            // value: that record alone is unreadable, its neighbours are not.
-            let mut rows = Vec::with_capacity(batch.len());
-            let mut unreadable = None;
+            // One `Message` per record, its payload left as JSON text until
+            // the handler reads it; one call of the delivery function per batch.
+            let mut messages = Vec::with_capacity(batch.len());
             for d in batch {
-                match delivery_row(py, &mut self.decoder, d.offset, &d.envelope) {
-                    Ok(row) => rows.push(row),
+                match delivery_message(py, &mut self.decoder, &d.envelope) {
+                    Ok(m) => messages.push(m),
                     Err(e) => {
-                        unreadable = Some(format!("payload cannot be read: {}", e.value(py)));
-                        break;
+                        return BatchOutcome {
+                            handled: 0,
+                            failure: Some(Failure::Retry(format!(
+                                "cannot build the message: {}",
+                                e.value(py)
+                            ))),
+                        }
                     }
-                }
-            }
-            let good = rows.len();
-            if good == 0 {
-                if let Some(reason) = unreadable {
-                    return BatchOutcome {
-                        handled: 0,
-                        failure: Some(Failure::Unreadable(reason)),
-                    };
                 }
             }
             let result = self
                 .deliver
-                .call1(py, (rows,))
-                .and_then(|r| r.extract::<(usize, Option<(bool, String)>)>(py));
-            match result {
-                Ok((handled, None)) if handled >= good && unreadable.is_some() => BatchOutcome {
-                    handled: good,
-                    failure: unreadable.map(Failure::Unreadable),
-                },
-                Ok((handled, failure)) => BatchOutcome {
-                    handled,
-                    failure: failure.map(|(reject, text)| {
-                        if reject {
-                            Failure::Reject(text)
-                        } else {
-                            Failure::Retry(text)
-                        }
-                    }),
-                },
-                Err(e) => BatchOutcome {
-                    handled: 0,
-                    failure: Some(Failure::Retry(format!("delivery function failed: {e}"))),
-                },
-            }
+                .call1(py, (messages,))
+                .and_then(|r| delivery_outcome(r.bind(py)));
+            result.unwrap_or_else(|e| BatchOutcome {
+                handled: 0,
+                failure: Some(Failure::Retry(format!("delivery function failed: {e}"))),
+            })
         })
     }
 
@@ -1631,6 +1662,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loss_counts, m)?)?;
     m.add_function(wrap_pyfunction!(validate_payload_type, m)?)?;
     keygen::register(m)?;
+    message::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_RECORD_BYTES", keyop_core::envelope::MAX_RECORD_BYTES)?;
     Ok(())

@@ -196,6 +196,28 @@ pub const MAX_CONNECTIONS: usize = 1024;
 
 static RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
 
+/// Environment variable setting the federation runtime's worker threads
+/// (read when the process's runtime starts; 1 suits a small board).
+pub const WORKER_THREADS_ENV: &str = "KEYOP_MESSENGER_WORKER_THREADS";
+/// Worker threads when [`WORKER_THREADS_ENV`] is not set.
+pub const DEFAULT_WORKER_THREADS: usize = 2;
+/// Most worker threads [`WORKER_THREADS_ENV`] may ask for.
+pub const MAX_WORKER_THREADS: usize = 64;
+
+/// The runtime's worker threads for the value of [`WORKER_THREADS_ENV`].
+pub fn worker_threads(value: Option<&str>) -> Result<usize, FedError> {
+    let Some(text) = value else {
+        return Ok(DEFAULT_WORKER_THREADS);
+    };
+    match text.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_WORKER_THREADS).contains(&n) => Ok(n),
+        _ => Err(FedError::Runtime(format!(
+            "{WORKER_THREADS_ENV} must be a whole number from 1 to {MAX_WORKER_THREADS}, \
+             got {text:?}; unset it for the default of {DEFAULT_WORKER_THREADS}"
+        ))),
+    }
+}
+
 /// The process's federation runtime, created lazily; a forked child gets a
 /// fresh one (the parent's threads do not exist there).
 pub fn runtime() -> Result<Arc<Runtime>, FedError> {
@@ -210,9 +232,19 @@ pub fn runtime() -> Result<Arc<Runtime>, FedError> {
         // Its worker threads died with the fork; dropping it would wait for them.
         std::mem::forget(inherited);
     }
+    let workers = worker_threads(std::env::var(WORKER_THREADS_ENV).ok().as_deref())?;
+    // The runtime starts its workers first, so they are named apart from
+    // the threads it starts later for blocking work.
+    let started = std::sync::atomic::AtomicUsize::new(0);
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("keyop-fed")
+        .worker_threads(workers)
+        .thread_name_fn(move || {
+            if started.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < workers {
+                "keyop-fed".into()
+            } else {
+                "keyop-fed-io".into()
+            }
+        })
         .enable_all()
         .build()
         .map_err(|e| FedError::Runtime(e.to_string()))?;
@@ -429,5 +461,21 @@ pub(crate) fn load_tls(name: &str, cfg: &TlsSettings) -> Result<tls::TlsMaterial
 impl Drop for Federation {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_threads_from_the_environment_value() {
+        assert_eq!(worker_threads(None).unwrap(), DEFAULT_WORKER_THREADS);
+        assert_eq!(worker_threads(Some("1")).unwrap(), 1);
+        assert_eq!(worker_threads(Some(" 4 ")).unwrap(), 4);
+        for bad in ["0", "-1", "two", "", "65"] {
+            let err = worker_threads(Some(bad)).unwrap_err().to_string();
+            assert!(err.contains(WORKER_THREADS_ENV), "{err}");
+        }
     }
 }
