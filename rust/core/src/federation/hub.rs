@@ -302,6 +302,74 @@ fn effective_subscription(requested: &[String], peer: &AllowedPeer) -> Vec<Strin
         .collect()
 }
 
+/// A connection's entry in the hub's table of connected peers, from its
+/// handshake until it ends (removed on drop, whatever path ends it).
+///
+/// A newer durable connection of the same peer replaces the older one (both
+/// would advance the same fed-<peer> cursors). Ephemeral connections have no
+/// cursor, so any number may share a peer name (Spark tasks do).
+struct Registration {
+    state: Arc<HubState>,
+    peer: String,
+    conn: u64,
+    ephemeral: bool,
+}
+
+impl Registration {
+    fn new(state: &Arc<HubState>, peer: &str, ephemeral: bool, cancel: CancellationToken) -> Self {
+        let conn = state.next_conn.fetch_add(1, Ordering::Relaxed);
+        if ephemeral {
+            state
+                .ephemeral
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(peer.to_owned())
+                .or_default()
+                .insert(conn, cancel);
+        } else {
+            let older = state
+                .peers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(peer.to_owned(), (conn, cancel));
+            if let Some((_, old)) = older {
+                log::warn!("hub: peer {peer:?} connected again; closing its older connection");
+                old.cancel();
+            }
+        }
+        Registration {
+            state: state.clone(),
+            peer: peer.to_owned(),
+            conn,
+            ephemeral,
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let (peer, conn) = (&self.peer, self.conn);
+        if self.ephemeral {
+            let mut eph = self
+                .state
+                .ephemeral
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if let Some(conns) = eph.get_mut(peer) {
+                conns.remove(&conn);
+                if conns.is_empty() {
+                    eph.remove(peer);
+                }
+            }
+        } else {
+            let mut peers = self.state.peers.lock().unwrap_or_else(|e| e.into_inner());
+            if peers.get(peer).is_some_and(|(c, _)| *c == conn) {
+                peers.remove(peer);
+            }
+        }
+    }
+}
+
 async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: ConnGuard) {
     let shared = state.shared.clone();
     let remote_s = remote.to_string();
@@ -351,6 +419,10 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
             return;
         }
     };
+    // Registered before the allowlist is read, so a reload either finds this
+    // connection (and disconnects it if its entry changed) or happened before
+    // the read (and this connection gets the new entry): never neither.
+    let registration = Registration::new(&state, &peer, hello.ephemeral, guard.cancel.clone());
     let allowed = state
         .allowed
         .lock()
@@ -404,30 +476,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
             return;
         }
     };
-    // A newer durable connection of the same peer replaces the older one
-    // (both would advance the same fed-<peer> cursors). Ephemeral connections
-    // have no cursor, so any number may share a peer name (Spark tasks do).
-    let conn = state.next_conn.fetch_add(1, Ordering::Relaxed);
     let cancel = guard.cancel.clone();
-    if hello.ephemeral {
-        state
-            .ephemeral
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(peer.clone())
-            .or_default()
-            .insert(conn, cancel.clone());
-    } else {
-        let older = state
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(peer.clone(), (conn, cancel.clone()));
-        if let Some((_, old)) = older {
-            log::warn!("hub: peer {peer:?} connected again; closing its older connection");
-            old.cancel();
-        }
-    }
     audit(&shared, "client_connected", &peer, &remote_s, detail);
     log::info!(
         "hub: {} peer {peer:?} connected from {remote}",
@@ -456,20 +505,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         report_refusals,
     };
     let ended = link::run(shared.clone(), ws, out, inbound, cancel).await;
-    if hello.ephemeral {
-        let mut eph = state.ephemeral.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(conns) = eph.get_mut(&peer) {
-            conns.remove(&conn);
-            if conns.is_empty() {
-                eph.remove(&peer);
-            }
-        }
-    } else {
-        let mut peers = state.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if peers.get(&peer).is_some_and(|(c, _)| *c == conn) {
-            peers.remove(&peer);
-        }
-    }
+    drop(registration);
     let mut detail = format!("duration={}", crate::audit::go_duration(started.elapsed()));
     if let Some(err) = ended {
         detail.push_str(&format!(" err={err}"));
