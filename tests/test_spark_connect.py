@@ -74,6 +74,7 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     env = dict(
         os.environ,
         SPARK_HOME=str(home),
+        SPARK_LOCAL_IP="127.0.0.1",
         PYSPARK_PYTHON=sys.executable,
         PYSPARK_DRIVER_PYTHON=sys.executable,
     )
@@ -84,6 +85,7 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         "--conf", f"spark.connect.grpc.binding.port={port}",
         "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
         "--conf", "spark.driver.bindAddress=127.0.0.1",
+        "--conf", "spark.driver.host=127.0.0.1",
         "--conf", "spark.ui.enabled=false",
         "--conf", "spark.sql.session.timeZone=UTC",
         "--conf", f"spark.sql.warehouse.dir={work / 'warehouse'}",
