@@ -16,9 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import fed_helpers
-from fed_helpers import PKI, Starter, client_config, data_dir_of, hub_config, hub_port, peer
-from fed_helpers import stored_ids
-
+from fed_helpers import (
+    PKI,
+    Starter,
+    client_config,
+    data_dir_of,
+    hub_config,
+    hub_port,
+    peer,
+    stored_ids,
+)
 from keyop_messenger import EphemeralMessenger, Messenger
 from keyop_messenger.errors import KeyopError
 

@@ -91,7 +91,7 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         "--conf", f"spark.sql.warehouse.dir={work / 'warehouse'}",
         "--conf", f"spark.driver.extraJavaOptions=-Dderby.system.home={work}",
     ]  # fmt: skip
-    log = open(work / "server.log", "wb")  # noqa: SIM115 - closed below
+    log = open(work / "server.log", "wb")
     proc = subprocess.Popen(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=work, start_new_session=True
     )

@@ -408,7 +408,7 @@ def test_several_channels_in_one_read(spark: SparkSession, tmp_path: Path) -> No
         reader_of(spark, data_dir, "a,b", startingOffsets=json.dumps({"a": 0})).collect()
     with pytest.raises(Exception, match="each once"):
         reader_of(spark, data_dir, "a,a").collect()
-    with pytest.raises(Exception, match="ChannelNotFoundError|does not exist"):
+    with pytest.raises(Exception, match=r"ChannelNotFoundError|does not exist"):
         reader_of(spark, data_dir, "a,nope").collect()
 
     # Streaming: one offset per channel, each channel's records once.
@@ -472,7 +472,9 @@ def test_max_bytes_per_trigger_available_now_and_lag(spark: SparkSession, tmp_pa
     end = ks.stream_end(str(data_dir), "c")
     reader = stream_reader(spark, data_dir, maxBytesPerTrigger="400000")
     assert reader.getDefaultReadLimit() == ReadMaxBytes(400000)
-    both = stream_reader(spark, data_dir, maxBytesPerTrigger="400000", maxOffsetsPerTrigger="300000")
+    both = stream_reader(
+        spark, data_dir, maxBytesPerTrigger="400000", maxOffsetsPerTrigger="300000"
+    )
     assert both.getDefaultReadLimit() == ReadMaxBytes(300000)  # offsets are bytes: the smaller
 
     # Lag: what the planned micro-batch leaves behind the committed end.

@@ -117,8 +117,9 @@ Read options
 
     Columns: ``id``, ``ts`` (timestamp; nanoseconds truncated to microseconds),
     ``channel``, ``origin``, ``payload_type``, ``service_name``, ``correlation_id``
-    (null when absent), ``payload`` (the stored JSON text), ``segment`` (start offset of the segment file) and ``offset`` (global
-    byte offset of the record, as in subscriber offset files). A schema given with
+    (null when absent), ``payload`` (the stored JSON text), ``segment`` (start
+    offset of the segment file) and ``offset`` (global byte offset of the record,
+    as in subscriber offset files). A schema given with
     ``.schema(...)`` must be this one. Reading never locks the directory: it works
     while a messenger (or keyop-messenger 1.4) writes it, and returns only whole
     records. It sees what retention has kept: a messenger deletes sealed segments

@@ -74,7 +74,9 @@ def _sources() -> tuple[type, type]:
                 ids = pa.array(range(lo, min(n, lo + step)), pa.int64())
                 yield pa.RecordBatch.from_arrays(
                     [
-                        pc.binary_join_element_wise("t-", pc.cast(pc.divide(ids, 64), pa.string()), ""),
+                        pc.binary_join_element_wise(
+                            "t-", pc.cast(pc.divide(ids, 64), pa.string()), ""
+                        ),
                         ids,
                         pc.divide(pc.cast(ids, pa.float64()), 10.0),
                         pc.equal(pc.bit_wise_and(ids, 1), 0),

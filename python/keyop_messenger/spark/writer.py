@@ -347,7 +347,8 @@ class _DirTarget(_Target):
         service_name: str | None,
         correlation_id: str | None,
     ) -> list[str]:
-        return list(self.messenger._engine.publish_batch(channel, batch, service_name, correlation_id))
+        engine = self.messenger._engine
+        return list(engine.publish_batch(channel, batch, service_name, correlation_id))
 
     # Progress of a task: ``<data_dir>/spark-progress/<job>/<partition>.json``,
     # ``{"rows": n, "offset": o}``: ``n`` rows were committed and every later
