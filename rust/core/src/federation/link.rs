@@ -2,6 +2,9 @@
 //! (batches in, acknowledgements of our batches), the sender (stop-and-wait
 //! batches out from persisted cursors) and a keepalive pinger. Every write
 //! goes through one lock, so acknowledgements and batches never interleave.
+//! why this file is long: the reader (storing a received batch: validity,
+//! dedup with in-flight ids, policy, one commit per channel) and the sender
+//! share one connection's state; split, each half would need the other's types.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
