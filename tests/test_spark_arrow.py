@@ -166,3 +166,41 @@ def test_payload_schema_parsed_by_arrow_matches_python(tmp_path: Path, bad: bool
     assert got[7]["payload"] == {"n": 7, "x": None, "s": None, "at": None, "ok": None}
     if bad:
         assert got[9]["payload"] == {"n": None, "x": 1.0, "s": "5", "at": None, "ok": None}
+
+
+def test_data_dir_write_resumes_after_the_rows_a_failed_attempt_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks encoded ahead (before the directory lock) and the resume point
+    of a retried attempt: every row once, also when the retry's chunks
+    straddle the rows already committed."""
+    from keyop_messenger.spark import writer
+    from keyop_messenger.spark.writer import PartitionError, WriteSpec, publish_arrow
+
+    schema = StructType([StructField("n", LongType())])
+    batches = [
+        pa.RecordBatch.from_arrays([pa.array(range(lo, lo + 4000), pa.int64())], names=["n"])
+        for lo in range(0, 20_000, 4000)
+    ]
+
+    def spec(batch_size: int) -> WriteSpec:
+        options = {"data_dir": str(tmp_path), "channel": "c", "payload_type": "t",
+                   "batch_size": str(batch_size)}  # fmt: skip
+        return WriteSpec.from_options(options, schema, streaming=False)
+
+    def failing() -> Any:
+        yield from batches[:3]
+        raise RuntimeError("the task dies")
+
+    with pytest.raises(PartitionError, match="after committing 0 rows"):
+        publish_arrow(spec(1000), failing(), "job0")  # died while encoding ahead
+    assert not (tmp_path / "channels" / "c").exists()
+    with monkeypatch.context() as patch:
+        patch.setattr(writer, "ENCODE_AHEAD_BYTES", 1)  # one chunk ahead, then as it comes
+        with pytest.raises(PartitionError, match="after committing 12000 rows"):
+            publish_arrow(spec(1000), failing(), "job1")
+    commit = publish_arrow(spec(5000), iter(batches), "job1")  # chunk 10000-15000 straddles
+    assert (commit.skipped, commit.rows) == (12_000, 20_000)
+    stored = list(km.read_channel(tmp_path, "c"))
+    assert [e.message.id for e in stored] == [f"job1:0:{i}" for i in range(20_000)]
+    assert [e.message.payload["n"] for e in stored] == list(range(20_000))

@@ -507,6 +507,8 @@ def _publish_chunks(
     any_rows: bool,
     chunks: Callable[[int], Iterator[_Chunk]],
     job: str | None = None,
+    *,
+    ahead: Callable[[str, int], None] | None = None,
 ) -> PartitionCommit:
     """Publishes this task's rows, given as ``chunks(skip)`` (the chunks after
     the first ``skip`` rows), as ``spec`` says; returns the task's commit
@@ -530,6 +532,8 @@ def _publish_chunks(
         spec.streaming and spec.correlation_id is None and spec.correlation_id_column is None
     )
     try:
+        if any_rows and ahead is not None:
+            ahead(prefix, ENCODE_AHEAD_BYTES)  # before waiting for the target (a lock)
         if any_rows:
             target = spec.target()
             commit.skipped = target.resume(spec.channel, prefix)
@@ -674,48 +678,92 @@ def publish_arrow(
     if head is None:
         return _publish_chunks(spec, False, lambda skip: iter(()), job)
     if spec.correlation_id_column is None and encoder.arrow_columns(head) is not None:
-        return _publish_chunks(
-            spec, True, _arrow_chunks(spec, itertools.chain([head], it)), job
-        )
+        chunks = _ArrowChunks(spec, itertools.chain([head], it))
+        ahead = ENCODE_AHEAD_BYTES if spec.data_dir is not None else 0
+        return _publish_chunks(spec, True, chunks, job, ahead=chunks.ahead if ahead else None)
     return publish_payloads(
         spec, (p for b in itertools.chain([head], it) for p in encoder.from_arrow(b)), job
     )
 
 
-def _arrow_chunks(
-    spec: WriteSpec, batches: Iterable[pa.RecordBatch]
-) -> Callable[[int], Iterator[_Chunk]]:
-    """Chunks of at most ``batch_size`` rows of Arrow batches (cut at batch
-    ends too), encoded by the engine, leaving out ``skip`` rows."""
-    from .. import _core
+#: A ``data_dir`` write encodes up to this many bytes of Arrow data ahead,
+#: before it waits for the directory lock: tasks encode in parallel and take
+#: turns only to append.
+ENCODE_AHEAD_BYTES = 256 * 1024 * 1024
 
-    def chunks(skip: int) -> Iterator[_Chunk]:
+
+class _ArrowChunks:
+    """Chunks of at most ``batch_size`` rows of Arrow batches (cut at batch
+    ends too), encoded by the engine; called with ``skip``, leaves out the
+    first ``skip`` rows of the partition. :meth:`ahead` encodes chunks before
+    the target is open (a chunk that turns out to straddle ``skip`` is
+    encoded again from there)."""
+
+    def __init__(self, spec: WriteSpec, batches: Iterable[pa.RecordBatch]) -> None:
+        self.spec = spec
+        self.pieces = self._cut(iter(batches))
+        #: (first row, rows, columns, payloads encoded with ids of ``prefix``).
+        self.ready: list[tuple[int, int, list[Any], Any]] = []
+        self.prefix: str | None = None
+
+    def _cut(self, batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, int, list[Any], int]]:
+        """(first row, rows, columns, Arrow bytes) of each chunk, in order."""
         row = 0  # index of the current batch's first row in the partition
         for batch in batches:
             n = batch.num_rows
-            lo = max(skip - row, 0)
-            whole = spec.encoder.arrow_columns(batch) if lo < n else []
+            whole = self.spec.encoder.arrow_columns(batch) if n else []
             if whole is None:  # a later batch with other types (Spark sends one schema)
                 raise TypeError(f"keyop: Arrow batch of unexpected types: {batch.schema}")
-            while lo < n:
-                size = min(spec.batch_size, n - lo)
+            per_row = batch.nbytes / max(n, 1)
+            for lo in range(0, n, self.spec.batch_size):
+                size = min(self.spec.batch_size, n - lo)
                 columns = [(c[0], c[1], c[2] + lo, *c[3:]) for c in whole]
-                first = row + lo
-
-                def send(
-                    target: _Target, corr: str | None, prefix: str, first: int = first,
-                    columns: list[Any] = columns, size: int = size,
-                ) -> list[str]:  # fmt: skip
-                    encoded = _core.encode_columns(
-                        spec.payload_type, columns, size, id_prefix=prefix, first_row=first
-                    )
-                    return target.publish_encoded(spec.channel, encoded, spec.service_name, corr)
-
-                yield first, size, None, send
-                lo += size
+                yield row + lo, size, columns, int(per_row * size)
             row += n
 
-    return chunks
+    def _encode(self, columns: list[Any], size: int, prefix: str, first: int) -> Any:
+        from .. import _core
+
+        return _core.encode_columns(
+            self.spec.payload_type, columns, size, id_prefix=prefix, first_row=first
+        )
+
+    def ahead(self, prefix: str, budget: int) -> None:
+        """Encodes chunks (ids of ``prefix``) until ``budget`` bytes of Arrow
+        data are encoded or the batches end."""
+        self.prefix = prefix
+        used = 0
+        while used < budget:
+            piece = next(self.pieces, None)
+            if piece is None:
+                return
+            first, size, columns, nbytes = piece
+            self.ready.append((first, size, columns, self._encode(columns, size, prefix, first)))
+            used += nbytes
+
+    def __call__(self, skip: int) -> Iterator[_Chunk]:
+        pending = [(f, n, c, e) for f, n, c, e in self.ready]
+        self.ready = []
+        rest = ((f, n, c, None) for f, n, c, _ in self.pieces)
+        for first, size, columns, encoded in itertools.chain(pending, rest):
+            if first + size <= skip:
+                continue
+            if first < skip:  # straddles the resume point: encode from there
+                cut = skip - first
+                columns = [(c[0], c[1], c[2] + cut, *c[3:]) for c in columns]
+                first, size, encoded = skip, size - cut, None
+
+            def send(
+                target: _Target, corr: str | None, prefix: str, first: int = first,
+                columns: list[Any] = columns, size: int = size, encoded: Any = encoded,
+            ) -> list[str]:  # fmt: skip
+                if encoded is None or prefix != self.prefix:
+                    encoded = self._encode(columns, size, prefix, first)
+                return target.publish_encoded(
+                    self.spec.channel, encoded, self.spec.service_name, corr
+                )
+
+            yield first, size, None, send
 
 
 def publish_rows(spec: WriteSpec, rows: Iterable[Row], job: str | None = None) -> PartitionCommit:
