@@ -204,3 +204,25 @@ def test_data_dir_write_resumes_after_the_rows_a_failed_attempt_committed(
     stored = list(km.read_channel(tmp_path, "c"))
     assert [e.message.id for e in stored] == [f"job1:0:{i}" for i in range(20_000)]
     assert [e.message.payload["n"] for e in stored] == list(range(20_000))
+
+
+def test_min_partitions_splits_a_read_at_record_boundaries(tmp_path: Path) -> None:
+    from keyop_messenger.spark.reader import BatchReader, ReadSpec
+
+    with km.Messenger(
+        km.Config.from_dict({"name": "n", "storage": {"data_dir": str(tmp_path)}})
+    ) as m:
+        m.publish_batch("c", [("t", {"i": i}) for i in range(300)])
+    options = {"data_dir": str(tmp_path), "channel": "c"}
+    schema = read_schema(StringType())
+    assert len(BatchReader(ReadSpec.all_from_options(options, schema)).partitions()) == 1
+    reader = BatchReader(ReadSpec.all_from_options({**options, "minPartitions": "4"}, schema))
+    parts = reader.partitions()
+    assert 4 <= len(parts) <= 5
+    got = [
+        json.loads(p)["i"]
+        for part in parts
+        for b in reader.read(part)
+        for p in b.column("payload").to_pylist()
+    ]
+    assert got == list(range(300))

@@ -33,7 +33,7 @@ impl TextColumn {
     /// Appends `value` and a line feed (inside the value's range).
     fn push_line(&mut self, value: &[u8]) {
         let row = self.offsets.len() - 1;
-        if row % 8 == 0 {
+        if row & 7 == 0 {
             self.validity.push(0);
         }
         self.data.extend_from_slice(value);
@@ -44,7 +44,7 @@ impl TextColumn {
 
     fn push(&mut self, value: Option<&[u8]>) {
         let row = self.offsets.len() - 1;
-        if row % 8 == 0 {
+        if row & 7 == 0 {
             self.validity.push(0);
         }
         match value {
@@ -101,7 +101,7 @@ impl RecordColumns {
 /// What [`ColumnReader::next_batch`] found.
 #[derive(Debug)]
 pub enum ColumnBatch {
-    Records(RecordColumns),
+    Records(Box<RecordColumns>),
     /// Bytes `from..to` are gone (returned after the records before them).
     Gap {
         from: u64,
@@ -202,7 +202,7 @@ impl ColumnReader {
                 .take()
                 .map(|(from, to)| ColumnBatch::Gap { from, to }));
         }
-        Ok(Some(ColumnBatch::Records(cols)))
+        Ok(Some(ColumnBatch::Records(Box::new(cols))))
     }
 }
 
