@@ -43,8 +43,9 @@ Write options
       machine). A data directory can be open in only one messenger at a time, so each
       task opens a :class:`~keyop_messenger.Messenger` on it in turn: a task that finds
       the directory locked retries for up to ``lock_timeout_s`` (default 300) seconds.
-      Tasks therefore write one after the other (use ``coalesce(1)`` to avoid the
-      waiting), and no other process may keep the directory open meanwhile.
+      Tasks therefore append one after the other; each first encodes up to 256 MiB
+      of its rows (Arrow columns the engine encodes) before it waits, so encoding
+      runs in parallel. No other process may keep the directory open meanwhile.
       ``name`` sets the origin (default: the host name); ``sync_interval_ms`` and
       ``segment_size_mb`` (or its deprecated name ``compaction_threshold_mb``) are
       passed to the messenger's storage section.
