@@ -14,8 +14,9 @@ two partitions):
   Arrow batches of the same rows (what moving rows between the JVM and
   Python workers costs, before any work).
 
-Each figure is the median of ``runs`` runs after a warm-up; ratios are
-``json seconds / keyop seconds`` (1.0: as fast as Spark's JSON files).
+Each figure is the median of ``runs`` rounds after a warm-up, the cases
+taking turns in every round; ratios are ``json seconds / keyop seconds``
+(1.0: as fast as Spark's JSON files).
 """
 
 from __future__ import annotations
@@ -164,11 +165,15 @@ def run(rows: int = 2_000_000, master: str = "local[2]", runs: int = 3) -> dict[
             def write_floor() -> None:
                 df.write.format("keyop_bench_sink").mode("append").save()
 
-            def median(fn: Callable[[], object]) -> float:
-                fn()  # warm-up (and the data read below)
-                return statistics.median(_timed(fn) for _ in range(runs))
+            def medians(*cases: Callable[[], object]) -> list[float]:
+                """Median seconds of each case; the cases take turns in every
+                round, so a machine whose load changes slows them alike."""
+                for fn in cases:
+                    fn()  # warm-up (and the data read below)
+                rounds = [[_timed(fn) for fn in cases] for _ in range(runs)]
+                return [statistics.median(r[i] for r in rounds) for i in range(len(cases))]
 
-            w_json, w_keyop, w_floor = median(write_json), median(write_keyop), median(write_floor)
+            w_json, w_keyop, w_floor = medians(write_json, write_keyop, write_floor)
             keyop_dir = str(d / "keyop0")
 
             def read_json() -> None:
@@ -188,7 +193,7 @@ def run(rows: int = 2_000_000, master: str = "local[2]", runs: int = 3) -> dict[
                     "parts", "2"
                 ).load().write.format("noop").mode("overwrite").save()
 
-            r_json, r_keyop, r_floor = median(read_json), median(read_keyop), median(read_floor)
+            r_json, r_keyop, r_floor = medians(read_json, read_keyop, read_floor)
             got = spark.read.format("keyop").option("data_dir", keyop_dir).option(
                 "channel", "bench"
             ).load().count()

@@ -386,18 +386,21 @@ class _DirTarget(_Target):
     def committed(self, channel: str, prefix: str, rows: int) -> None:
         from .reader import stream_end
 
+        # A hint that shortens a retried attempt's scan (the scan finds later
+        # rows by their ids): not fsynced, unlike the first progress file.
         self._write_progress(
-            self._progress_path(prefix), rows, stream_end(self.data_dir, channel)
+            self._progress_path(prefix), rows, stream_end(self.data_dir, channel), durable=False
         )
 
     @staticmethod
-    def _write_progress(path: str, rows: int, offset: int) -> None:
+    def _write_progress(path: str, rows: int, offset: int, *, durable: bool = True) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"rows": rows, "offset": offset}, f)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
 
     def close(self) -> None:
