@@ -200,7 +200,7 @@ def stream_reader(spark: SparkSession, data_dir: Path, **extra: str) -> StreamRe
     options = {"data_dir": str(data_dir), "channel": "c", **extra}
     source = ks.KeyopDataSource(options)
     schema = spark.createDataFrame([], source.schema()).schema
-    return StreamReader(ReadSpec.from_options(options, schema))
+    return StreamReader(ReadSpec.all_from_options(options, schema))
 
 
 def test_stream_planning_over_deleted_data_raises_or_counts(
@@ -369,3 +369,145 @@ def test_engine_gap_inside_a_read_raises_unless_fail_on_data_loss_false(
     with pytest.raises(DataLossError):
         list(reader.spec.read(second))
     assert list(lenient.spec.read(second)) == []
+
+
+# ---------------------------------------------------------------------------
+# Several channels, timestamps, maxBytesPerTrigger, AvailableNow, lag
+# ---------------------------------------------------------------------------
+
+
+def small_channels(data_dir: Path, sizes: dict[str, int]) -> None:
+    m = km.Messenger(km.Config.from_dict({"name": "opts", "storage": {"data_dir": str(data_dir)}}))
+    try:
+        for channel, n in sizes.items():
+            m.publish_batch(channel, [("t", {"i": i, "ch": channel}) for i in range(n)])
+    finally:
+        m.close()
+
+
+def reader_of(spark: SparkSession, data_dir: Path, channel: str, **extra: str) -> Any:
+    r = spark.read.format("keyop").option("data_dir", str(data_dir)).option("channel", channel)
+    for k, v in extra.items():
+        r = r.option(k, v)
+    return r.load()
+
+
+def test_several_channels_in_one_read(spark: SparkSession, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    small_channels(data_dir, {"a": 30, "b": 20, "x": 5})
+    rows = reader_of(spark, data_dir, "a, b").select("channel", "payload").collect()
+    got = sorted((r["channel"], json.loads(r["payload"])["i"]) for r in rows)
+    assert got == sorted([("a", i) for i in range(30)] + [("b", i) for i in range(20)])
+    # Per-channel offsets name every channel read.
+    a_offsets = sorted(r["offset"] for r in reader_of(spark, data_dir, "a").collect())
+    starts = json.dumps({"a": a_offsets[10], "b": "latest"})
+    part = reader_of(spark, data_dir, "a,b", startingOffsets=starts).collect()
+    assert sorted(json.loads(r["payload"])["i"] for r in part) == list(range(10, 30))
+    assert {r["channel"] for r in part} == {"a"}
+    with pytest.raises(Exception, match="must name exactly the channels read"):
+        reader_of(spark, data_dir, "a,b", startingOffsets=json.dumps({"a": 0})).collect()
+    with pytest.raises(Exception, match="each once"):
+        reader_of(spark, data_dir, "a,a").collect()
+    with pytest.raises(Exception, match=r"ChannelNotFoundError|does not exist"):
+        reader_of(spark, data_dir, "a,nope").collect()
+
+    # Streaming: one offset per channel, each channel's records once.
+    reader = stream_reader(spark, data_dir, channel="a,b")
+    start = reader.initialOffset()
+    assert set(start["offsets"]) == {"a", "b"}
+    query = (
+        spark.readStream.format("keyop")
+        .option("data_dir", str(data_dir))
+        .option("channel", "a,b")
+        .load()
+        .writeStream.format("memory")
+        .queryName("two_channels")
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .start()
+    )
+    try:
+        query.processAllAvailable()
+        small_channels(data_dir, {"b": 4})
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    counts = spark.sql(
+        "SELECT channel, count(DISTINCT id) AS n FROM two_channels GROUP BY channel"
+    ).collect()
+    assert {r["channel"]: r["n"] for r in counts} == {"a": 30, "b": 24}
+
+
+def test_starting_and_ending_timestamps(spark: SparkSession, tmp_path: Path) -> None:
+    import time
+
+    data_dir = tmp_path / "data"
+    small_channels(data_dir, {"c": 12})
+    time.sleep(0.05)
+    small_channels(data_dir, {"c": 8})
+    ts = sorted(r["ts"] for r in reader_of(spark, data_dir, "c").collect())
+    # The first record of the second batch, in milliseconds (rounded down):
+    # every first-batch record is at least 50 ms older.
+    cut_ms = int(ts[12].timestamp() * 1000)
+    assert reader_of(spark, data_dir, "c", startingTimestamp=str(cut_ms)).count() == 8
+    assert reader_of(spark, data_dir, "c", endingTimestamp=str(cut_ms)).count() == 12
+    assert reader_of(spark, data_dir, "c", startingTimestamp="0").count() == 20
+    late = str(int(ts[-1].timestamp() * 1000) + 1000)
+    assert reader_of(spark, data_dir, "c", startingTimestamp=late).count() == 0
+    with pytest.raises(Exception, match="give one of the options 'startingTimestamp'"):
+        reader_of(spark, data_dir, "c", startingTimestamp="0", startingOffsets="0").collect()
+    with pytest.raises(Exception, match="'startingTimestamp' must be an integer"):
+        reader_of(spark, data_dir, "c", startingTimestamp="yesterday").collect()
+    # A stream starts at the timestamp too.
+    reader = stream_reader(spark, data_dir, startingTimestamp=str(cut_ms))
+    start = reader.initialOffset()
+    parts = reader.partitions(start, reader.latestOffset(start))
+    assert sum(b.num_rows for p in parts for b in reader.read(p)) == 8
+
+
+def test_max_bytes_per_trigger_available_now_and_lag(spark: SparkSession, tmp_path: Path) -> None:
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxBytes
+
+    data_dir = tmp_path / "data"
+    two_segments(data_dir)
+    end = ks.stream_end(str(data_dir), "c")
+    reader = stream_reader(spark, data_dir, maxBytesPerTrigger="400000")
+    assert reader.getDefaultReadLimit() == ReadMaxBytes(400000)
+    both = stream_reader(
+        spark, data_dir, maxBytesPerTrigger="400000", maxOffsetsPerTrigger="300000"
+    )
+    assert both.getDefaultReadLimit() == ReadMaxBytes(300000)  # offsets are bytes: the smaller
+
+    # Lag: what the planned micro-batch leaves behind the committed end.
+    cut = reader.latestOffset({"offset": 0}, ReadMaxBytes(400000))["offset"]
+    assert 400000 <= cut < end
+    assert reader.reportLatestOffset() == {"offset": end, "bytesBehindLatest": end - cut}
+    reader.latestOffset({"offset": 0}, ReadAllAvailable())
+    assert reader.reportLatestOffset()["bytesBehindLatest"] == 0
+
+    # AvailableNow: the target is the end when the query starts; later data waits.
+    reader.prepareForTriggerAvailableNow()
+    small_channels(data_dir, {"c": 3})
+    assert reader.latestOffset({"offset": 0}, ReadAllAvailable()) == {"offset": end}
+
+    query = (
+        spark.readStream.format("keyop")
+        .option("data_dir", str(data_dir))
+        .option("channel", "c")
+        .option("maxBytesPerTrigger", "400000")
+        .load()
+        .writeStream.format("memory")
+        .queryName("available_now")
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(120), "an AvailableNow query ends by itself"
+        progress = [p for p in query.recentProgress if p["numInputRows"]]
+    finally:
+        query.stop()
+    assert sum(p["numInputRows"] for p in progress) == 613 and len(progress) >= 3
+    raw = [p["sources"][0]["latestOffset"] for p in progress]
+    latest = [x if isinstance(x, dict) else json.loads(x or "{}") for x in raw]
+    behind = [x.get("bytesBehindLatest") for x in latest]
+    assert behind[0] > 0 and behind[-1] == 0, latest

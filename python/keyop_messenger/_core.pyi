@@ -10,20 +10,24 @@ from typing_extensions import Self, disjoint_base
 
 __all__ = [
     "MAX_RECORD_BYTES",
+    "ColumnIter",
     "Completer",
     "Engine",
     "EphemeralClient",
     "Message",
     "MessengerBase",
+    "PayloadBatch",
     "Receipt",
     "RecordIter",
     "Subscription",
     "__version__",
+    "encode_columns",
     "inspect_cert",
     "keygen_ca",
     "keygen_instance",
     "loss_counts",
     "read_channel",
+    "read_columns",
     "read_stats",
     "reset_log_cache",
     "resolve_position",
@@ -36,6 +40,9 @@ MAX_RECORD_BYTES: int
 
 _Row = tuple[int, int, str, int, str, str, str, str | None, str | None, Any]
 _DeliveryRow = tuple[int, str, int, str, str, str, str | None, str | None, Any]
+_Text = tuple[bytes, bytes, bytes | None, int]
+_ColumnRows = tuple[int, bytes, bytes, bytes, _Text, _Text, _Text, _Text, _Text, _Text, _Text]
+_ColumnSpec = tuple[str, str, int, bytes | None, bytes, bytes | None]
 
 @final
 class Message:
@@ -203,7 +210,7 @@ class Engine:
     def publish_batch(
         self,
         channel: str,
-        items: Iterable[tuple[str, Any]],
+        items: Iterable[tuple[str, Any]] | PayloadBatch,
         service_name: str | None = None,
         correlation_id: str | None = None,
         default: Callable[[Any], Any] | None = None,
@@ -293,6 +300,16 @@ class RecordIter:
     def position(self) -> int: ...
 
 @final
+class PayloadBatch:
+    def __len__(self) -> int: ...
+    def payloads(self) -> list[str]: ...
+
+@final
+class ColumnIter:
+    def __iter__(self) -> ColumnIter: ...
+    def __next__(self) -> _ColumnRows: ...
+
+@final
 class Subscription:
     @property
     def channel(self) -> str: ...
@@ -313,7 +330,7 @@ class EphemeralClient:
     def publish_batch(
         self,
         channel: str,
-        items: Iterable[tuple[str, Any]],
+        items: Iterable[tuple[str, Any]] | PayloadBatch,
         service_name: str | None = None,
         correlation_id: str | None = None,
         default: Callable[[Any], Any] | None = None,
@@ -334,6 +351,23 @@ def read_channel(
     skip_gaps: bool = False,
     until: int | None = None,
 ) -> RecordIter: ...
+def read_columns(
+    data_dir: str | PathLike[str],
+    channel: str,
+    start_offset: int,
+    until: int,
+    *,
+    skip_gaps: bool = False,
+    batch_rows: int = 8192,
+) -> ColumnIter: ...
+def encode_columns(
+    payload_type: str,
+    columns: Sequence[_ColumnSpec],
+    rows: int,
+    *,
+    id_prefix: str | None = None,
+    first_row: int = 0,
+) -> PayloadBatch: ...
 def resolve_position(data_dir: str | PathLike[str], channel: str, kind: str, value: int) -> int: ...
 def read_stats(data_dir: str | PathLike[str]) -> dict[str, Any]: ...
 def reset_log_cache() -> None: ...

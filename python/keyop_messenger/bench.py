@@ -920,6 +920,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also measure the main throughput figures pinned to one CPU and to two, and "
         f"compare them (target: one core >= {ONE_CORE_TARGET} x two cores; needs >= 2 CPUs)",
     )
+    ap.add_argument(
+        "--spark",
+        action="store_true",
+        help="measure the Spark data source instead: write and read against Spark's own JSON "
+        "files on the same rows (needs pyspark and Java)",
+    )
+    ap.add_argument("--spark-rows", type=int, default=2_000_000, help="rows of --spark")
+    ap.add_argument("--spark-master", default="local[2]", help="Spark master of --spark")
     # Internal: the child process of --one-core.
     ap.add_argument("--pinned", metavar="CPUS", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -928,7 +936,13 @@ def main(argv: list[str] | None = None) -> int:
         figures = pinned_throughput(cpus, args.quick)
         print(json.dumps({key: list(sample) for key, sample in figures.items()}))
         return 0
-    results, rows = run(args.quick, args.one_core)
+    if args.spark:
+        from .spark import bench as spark_bench
+
+        results = spark_bench.run(args.spark_rows, args.spark_master, 1 if args.quick else 3)
+        rows = spark_bench.rows_of(results)
+    else:
+        results, rows = run(args.quick, args.one_core)
     if args.json:
         print(json.dumps(results, sort_keys=True))
         return 0

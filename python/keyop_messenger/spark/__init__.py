@@ -43,8 +43,9 @@ Write options
       machine). A data directory can be open in only one messenger at a time, so each
       task opens a :class:`~keyop_messenger.Messenger` on it in turn: a task that finds
       the directory locked retries for up to ``lock_timeout_s`` (default 300) seconds.
-      Tasks therefore write one after the other (use ``coalesce(1)`` to avoid the
-      waiting), and no other process may keep the directory open meanwhile.
+      Tasks therefore append one after the other; each first encodes up to 256 MiB
+      of its rows (Arrow columns the engine encodes) before it waits, so encoding
+      runs in parallel. No other process may keep the directory open meanwhile.
       ``name`` sets the origin (default: the host name); ``sync_interval_ms`` and
       ``segment_size_mb`` (or its deprecated name ``compaction_threshold_mb``) are
       passed to the messenger's storage section.
@@ -85,17 +86,27 @@ Row to payload
     ``payload_schema`` turns all of these back into the Spark types.
 
 Read options
-    ``data_dir`` and ``channel`` (required). ``start_offset``: ``earliest`` (default),
+    ``data_dir`` and ``channel`` (required; ``channel`` may name several channels
+    separated by commas, read together: the ``channel`` column tells them apart).
+    ``start_offset``: ``earliest`` (default),
     ``latest`` (streaming) or a global byte offset (e.g. a value of the ``offset``
     column; an offset inside a record moves to the next record).
     ``startingOffsets``: the same under Kafka's name (also ``-2``/``-1`` and a JSON
-    object per channel, ``{"readings": 1234}``, which must name the channel read).
+    object per channel, ``{"readings": 1234}``, which must name every channel read).
     ``endingOffsets`` (batch reads): ``latest`` (default), a byte offset or a JSON
     object per channel; the read stops before the first record at or after it.
-    ``maxOffsetsPerTrigger`` (streaming): at most about this many bytes of offsets
-    per micro-batch (cut at the next record boundary; pyspark 4.2+).
+    ``startingTimestamp`` / ``endingTimestamp``: milliseconds since the Unix epoch
+    (as Kafka's); the read starts (ends) at the first record stamped at or after
+    it, in every channel read (not together with ``startingOffsets`` /
+    ``endingOffsets``; ``endingTimestamp`` for batch reads).
+    ``maxOffsetsPerTrigger`` / ``maxBytesPerTrigger`` (streaming; offsets are
+    bytes, so both are byte limits and the smaller applies): at most about this
+    many bytes per micro-batch, shared by the channels in proportion to what each
+    has to read, cut at the next record boundary (pyspark 4.2+).
     ``max_partition_bytes``: split a segment into input partitions of about this many
-    bytes, cut at record boundaries (default 0: one partition per segment file).
+    bytes, cut at record boundaries (default 128 MiB; 0: one partition per segment
+    file). ``minPartitions``: at least about this many input partitions (pieces of at
+    most the bytes read divided by it; e.g. the number of cores).
     ``payload_schema``: a DDL field list (``"a INT, b STRUCT<c: STRING>"``); the
     ``payload`` column then is a struct of those fields parsed from the JSON (missing
     keys and values that do not fit their type are null, as with Spark's permissive
@@ -107,9 +118,9 @@ Read options
 
     Columns: ``id``, ``ts`` (timestamp; nanoseconds truncated to microseconds),
     ``channel``, ``origin``, ``payload_type``, ``service_name``, ``correlation_id``
-    (null when absent), ``payload`` (compact JSON text, re-encoded from the stored
-    value), ``segment`` (start offset of the segment file) and ``offset`` (global
-    byte offset of the record, as in subscriber offset files). A schema given with
+    (null when absent), ``payload`` (the stored JSON text), ``segment`` (start
+    offset of the segment file) and ``offset`` (global byte offset of the record,
+    as in subscriber offset files). A schema given with
     ``.schema(...)`` must be this one. Reading never locks the directory: it works
     while a messenger (or keyop-messenger 1.4) writes it, and returns only whole
     records. It sees what retention has kept: a messenger deletes sealed segments
@@ -120,11 +131,17 @@ Read options
 
 Streaming read
     Offsets are ``{"offset": N}``, the global byte offset of the next record (segment
-    start + byte position in the segment). ``latestOffset`` is the committed stream end
+    start + byte position in the segment); ``{"offsets": {channel: N, ...}}`` when
+    several channels are read. ``latestOffset`` is the committed stream end
     (whole lines only); a micro-batch gets one input partition per segment range
     between its start and end offsets (split further by ``max_partition_bytes``).
     Restarting from the checkpoint replays an unfinished micro-batch with the same
     offsets, so the query loses nothing that is still on disk.
+    ``Trigger.AvailableNow`` reads up to the ends the channels had when the query
+    started (in several micro-batches under a byte limit), then stops. The query's
+    progress shows, under ``sources[].latestOffset``, the channels' committed ends
+    and ``bytesBehindLatest``: how many bytes the last planned micro-batch left
+    unread (the query's lag; pyspark 4.2+).
 
     ``retain_as`` (a subscriber id) makes the query hold retention like a
     subscriber: it keeps ``subscribers/<channel>/<id>.offset`` at the end of the last

@@ -414,6 +414,45 @@ class RowEncoder:
                 r[name] = conv(r[name])
         return rows
 
+    def arrow_columns(self, batch: pa.RecordBatch) -> list[tuple[Any, ...]] | None:
+        """The columns of ``batch`` as ``_core.encode_columns`` takes them
+        (name, kind, offset, validity, data, offsets), or None when a column
+        has a type the engine does not encode (structs, arrays, maps,
+        decimals, binary, a TIMESTAMP without a zone): then the rows go
+        through :meth:`from_arrow`."""
+        import pyarrow.types as pt  # type: ignore[import-untyped]
+
+        out: list[tuple[Any, ...]] = []
+        for field, col in zip(self.schema.fields, batch.columns, strict=True):
+            t, dtype = col.type, field.dataType
+            if pt.is_boolean(t):
+                kind = "bool"
+            elif pt.is_signed_integer(t):
+                kind = f"int{t.bit_width}"
+            elif pt.is_floating(t) and t.bit_width in (32, 64):
+                kind = f"float{t.bit_width}"
+            elif pt.is_string(t) and isinstance(dtype, StringType):
+                kind = "utf8"
+            elif pt.is_date32(t) and isinstance(dtype, DateType):
+                kind = "date32"
+            elif pt.is_timestamp(t) and t.unit == "us":
+                if isinstance(dtype, TimestampType) and t.tz is not None:
+                    kind = "timestamp_utc"
+                elif isinstance(dtype, TimestampNTZType) and t.tz is None:
+                    kind = "timestamp_ntz"
+                else:
+                    return None
+            else:
+                return None
+            bufs = col.buffers()
+            validity = bufs[0].to_pybytes() if bufs[0] is not None and col.null_count else None
+            if kind == "utf8":
+                out.append((field.name, kind, col.offset, validity, bufs[2].to_pybytes(),
+                            bufs[1].to_pybytes()))  # fmt: skip
+            else:
+                out.append((field.name, kind, col.offset, validity, bufs[1].to_pybytes(), None))
+        return out
+
     def from_row(self, row: Any) -> dict[str, Any]:
         """The payload object of one Spark Row, values converted to their JSON form."""
         d = dict(zip(self.names, row, strict=False))

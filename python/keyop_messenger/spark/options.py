@@ -33,6 +33,9 @@ DEFAULT_BATCH_SIZE = 1000
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 3
 DEFAULT_LOCK_TIMEOUT_S = 300.0
+#: Input partitions of a read hold at most this many bytes (Spark's own
+#: ``spark.sql.files.maxPartitionBytes`` default), so a large segment is read in parallel.
+DEFAULT_MAX_PARTITION_BYTES = 128 * 1024 * 1024
 _N = TypeVar("_N", int, float)
 
 #: Options of a read (batch or streaming), as documented in the package docstring.
@@ -48,6 +51,10 @@ READ_OPTIONS = (
     "startingOffsets",
     "endingOffsets",
     "maxOffsetsPerTrigger",
+    "maxBytesPerTrigger",
+    "startingTimestamp",
+    "endingTimestamp",
+    "minPartitions",
 )
 #: Options of a write (batch or streaming).
 WRITE_OPTIONS = (

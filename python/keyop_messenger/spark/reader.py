@@ -3,9 +3,7 @@ partitions, and the batch reader (the streaming reader builds on it)."""
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import itertools
 import json
 import os
 import re
@@ -18,12 +16,23 @@ from pyspark.sql.datasource import (
     InputPartition,
 )
 from pyspark.sql.types import (
+    ArrayType,
+    BooleanType,
+    ByteType,
+    DataType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    ShortType,
     StringType,
     StructType,
+    TimestampType,
 )
 
 from .mapping import json_to_spark
 from .options import (
+    DEFAULT_MAX_PARTITION_BYTES,
     ENVELOPE_COLUMNS,
     READ_OPTIONS,
     Options,
@@ -117,19 +126,20 @@ def _next_boundary(data_dir: str, channel: str, segment: int, offset: int, limit
 
 
 class KeyopPartition(InputPartition):
-    """Records of one segment file with ``start <= offset < end``."""
+    """Records of one segment file of ``channel`` with ``start <= offset < end``."""
 
-    def __init__(self, index: int, segment: int, start: int, end: int) -> None:
+    def __init__(self, index: int, segment: int, start: int, end: int, channel: str = "") -> None:
         super().__init__(index)
         self.index = index
         self.segment = segment
         self.start = start
         self.end = end
+        self.channel = channel
 
     def __repr__(self) -> str:
         return (
-            f"KeyopPartition(index={self.index}, segment={self.segment}, "
-            f"start={self.start}, end={self.end})"
+            f"KeyopPartition(index={self.index}, channel={self.channel!r}, "
+            f"segment={self.segment}, start={self.start}, end={self.end})"
         )
 
 
@@ -164,10 +174,10 @@ def plan_partitions(
                 nxt = _next_boundary(data_dir, channel, seg, cut + max_partition_bytes, hi)
                 if nxt >= hi:
                     break
-                parts.append(KeyopPartition(len(parts), seg, cut, nxt))
+                parts.append(KeyopPartition(len(parts), seg, cut, nxt, channel))
                 cut = nxt
             lo = cut
-        parts.append(KeyopPartition(len(parts), seg, lo, hi))
+        parts.append(KeyopPartition(len(parts), seg, lo, hi, channel))
     return parts
 
 
@@ -220,45 +230,77 @@ class ReadSpec:
     allow_missing: bool = False
     ending_offset: str = "latest"
     max_offsets_per_trigger: int = 0
+    max_bytes_per_trigger: int = 0
+    min_partitions: int = 0
 
     @classmethod
     def from_options(cls, options: Any, schema: StructType) -> ReadSpec:
-        """Checks the read options and the schema; ``ValueError`` names the first problem."""
+        """The checked read options of a read of one channel; ``ValueError``
+        names the first problem (see :meth:`all_from_options`)."""
+        specs = cls.all_from_options(options, schema)
+        if len(specs) != 1:
+            raise ValueError("keyop data source: this read takes one channel")
+        return specs[0]
+
+    @classmethod
+    def all_from_options(cls, options: Any, schema: StructType) -> list[ReadSpec]:
+        """Checks the read options and the schema; ``ValueError`` names the
+        first problem. One spec per channel read (``channel`` may name several,
+        separated by commas)."""
         o = Options(options)
         o.check_known(READ_OPTIONS, "read")
         # Absolute, resolved on the driver: executors may run in another directory.
         data_dir = os.path.abspath(o.required("data_dir", "the data directory to read"))
-        channel = o.required("channel", "the channel to read")
-        check_channel(channel, publish=False)
+        channels = _channel_list(o.required("channel", "the channel(s) to read"))
         if o.get("start_offset") and o.get("startingOffsets"):
             raise ValueError(
                 "keyop data source: give one of the options 'start_offset' and "
                 "'startingOffsets' (the same thing, Kafka's name)"
             )
         key = "startingOffsets" if o.get("startingOffsets") else "start_offset"
-        start = _offset_option(o, key, channel, "earliest")
-        ending = _offset_option(o, "endingOffsets", channel, "latest")
-        if ending == "earliest":
+        starts = _offset_option(o, key, channels, "earliest")
+        endings = _offset_option(o, "endingOffsets", channels, "latest")
+        if "earliest" in endings.values():
             raise ValueError(
                 "keyop data source: option 'endingOffsets' must be 'latest', a byte offset "
                 "or a JSON object of them per channel, got 'earliest'"
             )
+        for name, offsets, given in (
+            ("startingTimestamp", starts, o.get(key)),
+            ("endingTimestamp", endings, o.get("endingOffsets")),
+        ):
+            if o.get(name):
+                if given:
+                    raise ValueError(
+                        f"keyop data source: give one of the options {name!r} and "
+                        f"{'endingOffsets' if name.startswith('end') else key!r}"
+                    )
+                ms = o.integer(name, 0, minimum=-(2**62))
+                offsets.update({c: f"@{ms}" for c in channels})
         _check_read_schema(schema)
         retain_as = o.get("retain_as") or None
         if retain_as is not None:
             check_subscriber_id(retain_as)
-        return cls(
-            data_dir,
-            channel,
-            start,
-            o.integer("max_partition_bytes", 0),
-            schema,
-            retain_as,
-            o.boolean("failOnDataLoss", True),
-            o.boolean("allowMissing", False),
-            ending,
-            o.integer("maxOffsetsPerTrigger", 0),
-        )
+        per_trigger = o.integer("maxOffsetsPerTrigger", 0)
+        max_bytes = o.integer("maxBytesPerTrigger", 0)
+        limits = [n for n in (per_trigger, max_bytes) if n > 0]
+        return [
+            cls(
+                data_dir,
+                channel,
+                starts[channel],
+                o.integer("max_partition_bytes", DEFAULT_MAX_PARTITION_BYTES),
+                schema,
+                retain_as,
+                o.boolean("failOnDataLoss", True),
+                o.boolean("allowMissing", False),
+                endings[channel],
+                per_trigger,
+                min(limits) if limits else 0,
+                o.integer("minPartitions", 0),
+            )
+            for channel in channels
+        ]
 
     def exists(self) -> bool:
         """Whether the channel exists: raises :class:`DataDirNotFoundError` or
@@ -273,25 +315,46 @@ class ReadSpec:
         self.exists()
 
     def start(self) -> int:
-        """The offset the read starts at (``earliest``, ``latest`` or a byte offset moved to the
-        next record)."""
+        """The offset the read starts at (``earliest``, ``latest``, a byte offset moved to the
+        next record, or the first record at or after ``startingTimestamp``)."""
         if self.start_offset == "earliest":
             return 0
         if self.start_offset == "latest":
             return stream_end(self.data_dir, self.channel)
+        if self.start_offset.startswith("@"):
+            return self._at_time(int(self.start_offset[1:]))
         return align_offset(self.data_dir, self.channel, int(self.start_offset))
 
     def end(self) -> int:
         """The offset a batch read ends at (``endingOffsets``: the committed end,
-        or a byte offset moved to the next record and capped at the end)."""
+        or a byte offset moved to the next record and capped at the end;
+        ``endingTimestamp``: the first record at or after that time)."""
         end = stream_end(self.data_dir, self.channel)
         if self.ending_offset == "latest":
             return end
+        if self.ending_offset.startswith("@"):
+            return min(end, self._at_time(int(self.ending_offset[1:])))
         return min(end, align_offset(self.data_dir, self.channel, int(self.ending_offset)))
 
-    def partitions(self, start: int, end: int) -> list[KeyopPartition]:
-        """The input partitions covering the byte range ``[start, end)``, cut between records."""
-        return plan_partitions(self.data_dir, self.channel, start, end, self.max_partition_bytes)
+    def _at_time(self, ms: int) -> int:
+        """The offset of the first record stamped at or after ``ms``
+        milliseconds since the Unix epoch (the end if there is none)."""
+        from .. import _core
+
+        if not os.path.isdir(_channel_dir(self.data_dir, self.channel)):
+            return 0
+        return int(_core.resolve_position(self.data_dir, self.channel, "time", ms * 1_000_000))
+
+    def partitions(self, start: int, end: int, total: int = 0) -> list[KeyopPartition]:
+        """The input partitions covering the byte range ``[start, end)``, cut
+        between records: per segment file, split by ``max_partition_bytes``,
+        and into pieces of at most ``total / minPartitions`` bytes (``total``:
+        the bytes of the whole read, all channels; default this range)."""
+        size = self.max_partition_bytes
+        if self.min_partitions > 0:
+            share = -(-max(total or end - start, 1) // self.min_partitions)
+            size = min(size, share) if size > 0 else share
+        return plan_partitions(self.data_dir, self.channel, start, end, size)
 
     def read(self, partition: KeyopPartition) -> Iterator[pa.RecordBatch]:
         """The records of ``partition`` as Arrow batches of the read schema
@@ -314,60 +377,131 @@ def _read_partition(
     skip_gaps: bool = False,
 ) -> Iterator[pa.RecordBatch]:
     """Yields the records of ``partition`` as Arrow batches of ``schema``; a gap
-    raises :class:`DataLossError` unless ``skip_gaps``."""
+    raises :class:`DataLossError` unless ``skip_gaps``.
+
+    The engine reads the records into Arrow buffers (``_core.read_columns``);
+    a ``payload_schema`` is parsed by Arrow's JSON reader, batch by batch,
+    with a per-value fallback (:func:`json_to_spark`) for a batch Arrow
+    refuses (a value of another type, an out-of-range number)."""
     import pyarrow as pa
+    import pyarrow.compute as pc  # type: ignore[import-untyped]
 
     from .. import _core
 
     arrow_schema = _arrow_schema(schema)
-    payload_field = schema["payload"]
-    parse = (
-        None
-        if isinstance(payload_field.dataType, StringType)
-        else json_to_spark(payload_field.dataType)
-    )
-    convert = (
-        json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=True).encode
-        if parse is None
-        else parse
-    )
     types = [arrow_schema.field(i).type for i in range(len(arrow_schema))]
-    records: Iterator[Any] = _core.read_channel(
-        data_dir, channel, partition.start, skip_gaps=skip_gaps
-    )
-    while True:
-        chunk = list(itertools.islice(records, _ARROW_BATCH_ROWS))
-        if chunk and chunk[-1][0] >= partition.end:
-            chunk = chunk[: bisect.bisect_left([r[0] for r in chunk], partition.end)]
-            records = iter(())
-        if not chunk:
-            return
-        # Rows are (offset, segment, id, ts_nanos, channel, origin, payload_type,
-        # service_name, correlation_id, payload); columns follow ENVELOPE_COLUMNS.
-        offs, segs, ids, ts, chans, origins, ptypes, services, corrs, payloads = zip(
-            *chunk, strict=True
-        )
+    payload_field = schema["payload"]
+    as_text = isinstance(payload_field.dataType, StringType)
+    parse = None if as_text else json_to_spark(payload_field.dataType)
+    fast = not as_text and _arrow_parses(payload_field.dataType)
+
+    def text(t: tuple[bytes, bytes, bytes | None, int], rows: int) -> pa.Array:
+        offsets, data, validity, nulls = t
+        bufs = [None if validity is None else pa.py_buffer(validity)]
+        bufs += [pa.py_buffer(offsets), pa.py_buffer(data)]
+        return pa.Array.from_buffers(pa.string(), rows, bufs, null_count=nulls)
+
+    def int64(b: bytes, rows: int, kind: Any = None) -> pa.Array:
+        return pa.Array.from_buffers(kind or pa.int64(), rows, [None, pa.py_buffer(b)])
+
+    for found in _core.read_columns(
+        data_dir,
+        channel,
+        partition.start,
+        partition.end,
+        skip_gaps=skip_gaps,
+        batch_rows=_ARROW_BATCH_ROWS,
+    ):
+        rows, offs, segs, ts, ids, chans, origins, ptypes, services, corrs, raw = found
+        lines = text(raw, rows)  # each payload's JSON text and a line feed
+        if as_text:
+            payload = pc.utf8_rtrim(lines, characters="\n")
+        else:
+            assert parse is not None
+            payload = _parse_payloads(raw[1], lines, rows, types[7], parse, fast)
         arrays = [
-            pa.array(ids, types[0]),
-            pa.array([n // 1000 for n in ts], pa.int64()).cast(types[1]),
-            pa.array(chans, types[2]),
-            pa.array(origins, types[3]),
-            pa.array(ptypes, types[4]),
-            pa.array(services, types[5]),
-            pa.array(corrs, types[6]),
-            pa.array(list(map(convert, payloads)), types[7]),
-            pa.array(segs, types[8]),
-            pa.array(offs, types[9]),
+            text(ids, rows),
+            int64(ts, rows, pa.timestamp("us", tz="UTC")).cast(types[1]),
+            text(chans, rows),
+            text(origins, rows),
+            text(ptypes, rows),
+            text(services, rows),
+            text(corrs, rows),
+            payload,
+            int64(segs, rows),
+            int64(offs, rows),
         ]
+        arrays = [a if a.type == t else a.cast(t) for a, t in zip(arrays, types, strict=True)]
         yield pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
 
 
-def _offset_option(o: Options, key: str, channel: str, default: str) -> str:
-    """An offset option: ``earliest``, ``latest``, a byte offset >= 0, or (as
-    Spark's Kafka source takes them) a JSON object of those per channel, which
-    must name the channel read (and no other); returned as text."""
+def _arrow_parses(dtype: DataType) -> bool:
+    """Whether Arrow's JSON reader parses values of ``dtype`` as
+    :func:`json_to_spark` does when it accepts them at all (it refuses, and
+    the batch falls back to Python, whenever a value does not fit)."""
+    if isinstance(dtype, StructType):
+        return all(_arrow_parses(f.dataType) for f in dtype.fields)
+    if isinstance(dtype, ArrayType):
+        return _arrow_parses(dtype.elementType)
+    return isinstance(
+        dtype,
+        (StringType, BooleanType, ByteType, ShortType, IntegerType, LongType, FloatType,
+         DoubleType, TimestampType),
+    )  # fmt: skip
+
+
+def _parse_payloads(
+    data: bytes,
+    lines: pa.Array,
+    rows: int,
+    kind: pa.DataType,
+    parse: Any,
+    fast: bool,
+) -> pa.Array:
+    """The payloads (JSON lines ``data``, also as the string array ``lines``)
+    as an array of the struct type ``kind``."""
+    import pyarrow as pa
+    import pyarrow.json as pj  # type: ignore[import-untyped]
+
+    if fast and rows:
+        fields = [kind.field(i) for i in range(kind.num_fields)]
+        try:
+            table = pj.read_json(
+                pa.BufferReader(pa.py_buffer(data)),
+                read_options=pj.ReadOptions(use_threads=False, block_size=len(data) + 1),
+                parse_options=pj.ParseOptions(
+                    explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore"
+                ),
+            )
+            if table.num_rows == rows and fields:
+                arrays = [table.column(f.name).combine_chunks().cast(f.type) for f in fields]
+                return pa.StructArray.from_arrays(arrays, fields=fields)
+        except (pa.ArrowException, ValueError, TypeError, KeyError):
+            pass  # a value Arrow will not take: Python converts this batch
+    return pa.array([parse(json.loads(s)) for s in lines.to_pylist()], kind)
+
+
+def _channel_list(text: str) -> list[str]:
+    """The channels named by the ``channel`` option: one name, or several
+    separated by commas (each checked; no repeats)."""
+    channels = [c.strip() for c in text.split(",")]
+    if any(not c for c in channels) or len(set(channels)) != len(channels):
+        raise ValueError(
+            "keyop data source: option 'channel' must name one channel or several "
+            f"separated by commas, each once, got {text!r}"
+        )
+    for channel in channels:
+        check_channel(channel, publish=False)
+    return channels
+
+
+def _offset_option(o: Options, key: str, channels: list[str], default: str) -> dict[str, str]:
+    """An offset option per channel: ``earliest``, ``latest``, a byte offset
+    >= 0 for every channel, or (as Spark's Kafka source takes them) a JSON
+    object of those per channel, which must name every channel read (and no
+    other); values returned as text."""
     text = (o.get(key) or default).strip()
-    value: Any = text
+    values: dict[str, Any] = {c: text for c in channels}
     if text.startswith("{"):
         try:
             per_channel = json.loads(text)
@@ -375,25 +509,29 @@ def _offset_option(o: Options, key: str, channel: str, default: str) -> str:
             raise ValueError(
                 f"keyop data source: option {key!r} is not valid JSON ({exc}): {text!r}"
             ) from None
-        if not isinstance(per_channel, dict) or set(per_channel) != {channel}:
+        if not isinstance(per_channel, dict) or set(per_channel) != set(channels):
             raise ValueError(
-                f"keyop data source: option {key!r} must name exactly the channel read "
-                f"({channel!r}), got {text!r}"
+                f"keyop data source: option {key!r} must name exactly the "
+                f"channel{'s' if len(channels) > 1 else ''} read "
+                f"({', '.join(repr(c) for c in channels)}), got {text!r}"
             )
-        value = per_channel[channel]
-    value = str(value).strip().lower()
-    if value in ("earliest", "latest"):
-        return value
-    if value == "-2":  # Kafka's numeric names
-        return "earliest"
-    if value == "-1":
-        return "latest"
-    if not value.isdigit():
-        raise ValueError(
-            f"keyop data source: option {key!r} must be 'earliest', 'latest', a byte "
-            f"offset >= 0 or a JSON object of them per channel, got {text!r}"
-        )
-    return str(int(value))
+        values = per_channel
+    out: dict[str, str] = {}
+    for channel in channels:
+        value = str(values[channel]).strip().lower()
+        if value == "-2":  # Kafka's numeric names
+            value = "earliest"
+        elif value == "-1":
+            value = "latest"
+        if value not in ("earliest", "latest"):
+            if not value.isdigit():
+                raise ValueError(
+                    f"keyop data source: option {key!r} must be 'earliest', 'latest', a byte "
+                    f"offset >= 0 or a JSON object of them per channel, got {text!r}"
+                )
+            value = str(int(value))
+        out[channel] = value
+    return out
 
 
 def check_exists(data_dir: str, channel: str, *, allow_missing: bool) -> bool:
@@ -421,20 +559,37 @@ def check_exists(data_dir: str, channel: str, *, allow_missing: bool) -> bool:
 
 
 class BatchReader(DataSourceReader):
-    """Batch read of a channel: everything committed when the read was planned."""
-    def __init__(self, spec: ReadSpec) -> None:
-        self.spec = spec
-        self.end = spec.end() if spec.exists() else 0
+    """Batch read of one or more channels: everything committed when the
+    read was planned (up to ``endingOffsets`` / ``endingTimestamp``)."""
+
+    def __init__(self, spec: ReadSpec | Sequence[ReadSpec]) -> None:
+        self.specs = [spec] if isinstance(spec, ReadSpec) else list(spec)
+        self.spec = self.specs[0]
+        self.ends = {s.channel: s.end() if s.exists() else 0 for s in self.specs}
+        self.end = self.ends[self.spec.channel]
 
     def partitions(self) -> Sequence[InputPartition]:
         """One input partition per segment file (split further by ``max_partition_bytes``)."""
-        parts = self.spec.partitions(self.spec.start(), self.end)
+        parts: list[KeyopPartition] = []
+        ranges = [(spec, spec.start(), self.ends[spec.channel]) for spec in self.specs]
+        total = sum(max(0, end - start) for _, start, end in ranges)
+        for spec, start, end in ranges:
+            for p in spec.partitions(start, end, total):
+                parts.append(KeyopPartition(len(parts), p.segment, p.start, p.end, p.channel))
         # Spark needs at least one partition; an empty range reads nothing.
-        return parts or [KeyopPartition(0, 0, 0, 0)]
+        return parts or [KeyopPartition(0, 0, 0, 0, self.spec.channel)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """The records of one input partition as Arrow batches."""
         assert isinstance(partition, KeyopPartition)
         if partition.end <= partition.start:
             return iter(())
-        return self.spec.read(partition)
+        return spec_of(self.specs, partition).read(partition)
+
+
+def spec_of(specs: Sequence[ReadSpec], partition: KeyopPartition) -> ReadSpec:
+    """The spec of the channel ``partition`` belongs to."""
+    for spec in specs:
+        if spec.channel == partition.channel or not partition.channel:
+            return spec
+    raise ValueError(f"keyop data source: partition of unknown channel {partition.channel!r}")

@@ -50,26 +50,28 @@ class KeyopDataSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """A batch reader; ``retain_as`` is refused (it applies to streaming reads)."""
-        spec = ReadSpec.from_options(self.options, schema)
+        specs = ReadSpec.all_from_options(self.options, schema)
+        spec = specs[0]
         if spec.retain_as is not None:
             raise ValueError("keyop data source: option 'retain_as' applies to streaming reads")
-        if spec.max_offsets_per_trigger:
-            raise ValueError(
-                "keyop data source: option 'maxOffsetsPerTrigger' applies to streaming reads"
-            )
-        spec.check_exists()
-        return BatchReader(spec)
+        for key in ("maxOffsetsPerTrigger", "maxBytesPerTrigger"):
+            if Options(self.options).get(key):
+                raise ValueError(f"keyop data source: option {key!r} applies to streaming reads")
+        for s in specs:
+            s.check_exists()
+        return BatchReader(specs)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         """A streaming reader following the channel."""
-        spec = ReadSpec.from_options(self.options, schema)
-        if spec.ending_offset != "latest":
+        specs = ReadSpec.all_from_options(self.options, schema)
+        if specs[0].ending_offset != "latest":
             raise ValueError(
-                "keyop data source: option 'endingOffsets' applies to batch reads (a stream "
-                "follows the channel)"
+                "keyop data source: options 'endingOffsets' and 'endingTimestamp' apply to "
+                "batch reads (a stream follows the channel)"
             )
-        spec.check_exists()
-        return StreamReader(spec)
+        for s in specs:
+            s.check_exists()
+        return StreamReader(specs)
 
     def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:
         """A batch writer; only the ``append`` mode is accepted."""

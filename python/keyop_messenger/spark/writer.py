@@ -181,6 +181,16 @@ class _Target:
     ) -> list[str]:
         raise NotImplementedError
 
+    def publish_encoded(
+        self,
+        channel: str,
+        batch: Any,
+        service_name: str | None,
+        correlation_id: str | None,
+    ) -> list[str]:
+        """Publishes a ``_core.PayloadBatch`` (payloads and ids encoded by the engine)."""
+        raise NotImplementedError
+
     def resume(self, channel: str, prefix: str) -> int:
         """Rows of the task whose ids start with ``prefix`` already committed
         by an earlier attempt (0 when the target cannot tell)."""
@@ -262,6 +272,30 @@ class _HubTarget(_Target):
         result: list[str] = self._with_retries(op)
         return result
 
+    def publish_encoded(
+        self,
+        channel: str,
+        batch: Any,
+        service_name: str | None,
+        correlation_id: str | None,
+    ) -> list[str]:
+        from ..ephemeral import PUBLISH_TIMEOUT_S
+
+        sent = [False]
+
+        def op() -> list[str]:
+            if sent[0]:
+                self.resent += 1
+            sent[0] = True
+            return list(
+                self.client._client.publish_batch(
+                    channel, batch, service_name, correlation_id, timeout_s=PUBLISH_TIMEOUT_S
+                )
+            )
+
+        result: list[str] = self._with_retries(op)
+        return result
+
     def close(self) -> None:
         if self.client is not None:
             client, self.client = self.client, None
@@ -306,6 +340,16 @@ class _DirTarget(_Target):
             channel, items, service_name=service_name, correlation_id=correlation_id, ids=ids
         )
 
+    def publish_encoded(
+        self,
+        channel: str,
+        batch: Any,
+        service_name: str | None,
+        correlation_id: str | None,
+    ) -> list[str]:
+        engine = self.messenger._engine
+        return list(engine.publish_batch(channel, batch, service_name, correlation_id))
+
     # Progress of a task: ``<data_dir>/spark-progress/<job>/<partition>.json``,
     # ``{"rows": n, "offset": o}``: ``n`` rows were committed and every later
     # record of the task is at or after the global offset ``o``. Written under
@@ -342,18 +386,21 @@ class _DirTarget(_Target):
     def committed(self, channel: str, prefix: str, rows: int) -> None:
         from .reader import stream_end
 
+        # A hint that shortens a retried attempt's scan (the scan finds later
+        # rows by their ids): not fsynced, unlike the first progress file.
         self._write_progress(
-            self._progress_path(prefix), rows, stream_end(self.data_dir, channel)
+            self._progress_path(prefix), rows, stream_end(self.data_dir, channel), durable=False
         )
 
     @staticmethod
-    def _write_progress(path: str, rows: int, offset: int) -> None:
+    def _write_progress(path: str, rows: int, offset: int, *, durable: bool = True) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"rows": rows, "offset": offset}, f)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
 
     def close(self) -> None:
@@ -419,11 +466,56 @@ def _task_info() -> tuple[int, int, int | None, str | None]:
     )
 
 
+#: One chunk to publish: (index of its first row in the partition, rows,
+#: correlation id from ``correlation_id_column`` or None, publish function
+#: taking (target, correlation id, ids prefix) and returning the ids).
+_Chunk = tuple[int, int, "str | None", Callable[["_Target", "str | None", str], list[str]]]
+
+
+def _dict_chunks(
+    spec: WriteSpec, payloads: Iterable[dict[str, Any]]
+) -> Callable[[int], Iterator[_Chunk]]:
+    """Chunks of payload dicts (the general path), leaving out ``skip`` rows."""
+
+    def chunks(skip: int) -> Iterator[_Chunk]:
+        for first, chunk, key in _chunks(
+            payloads, spec.batch_size, spec.correlation_id_column, skip
+        ):
+
+            def send(
+                target: _Target, corr: str | None, prefix: str, first: int = first,
+                chunk: list[dict[str, Any]] = chunk,
+            ) -> list[str]:  # fmt: skip
+                items = [(spec.payload_type, p) for p in chunk]
+                wanted = [f"{prefix}{first + i}" for i in range(len(chunk))]
+                return target.publish_batch(spec.channel, items, spec.service_name, corr, wanted)
+
+            yield first, len(chunk), key, send
+
+    return chunks
+
+
 def publish_payloads(
     spec: WriteSpec, payloads: Iterable[dict[str, Any]], job: str | None = None
 ) -> PartitionCommit:
     """Publishes ``payloads`` (this task's rows) as ``spec`` says; returns the
-    task's commit message. Opens the target lazily: an empty partition
+    task's commit message (see :func:`_publish_chunks`)."""
+    rows = iter(payloads)
+    head = list(itertools.islice(rows, 1))
+    return _publish_chunks(spec, bool(head), _dict_chunks(spec, itertools.chain(head, rows)), job)
+
+
+def _publish_chunks(
+    spec: WriteSpec,
+    any_rows: bool,
+    chunks: Callable[[int], Iterator[_Chunk]],
+    job: str | None = None,
+    *,
+    ahead: Callable[[str, int], None] | None = None,
+) -> PartitionCommit:
+    """Publishes this task's rows, given as ``chunks(skip)`` (the chunks after
+    the first ``skip`` rows), as ``spec`` says; returns the task's commit
+    message. Opens the target only if ``any_rows``: an empty partition
     connects to nothing.
 
     Exactly once for a deterministic input: row ``i`` of partition ``p`` gets
@@ -442,10 +534,10 @@ def publish_payloads(
     auto_corr = (
         spec.streaming and spec.correlation_id is None and spec.correlation_id_column is None
     )
-    rows = iter(payloads)
     try:
-        head = list(itertools.islice(rows, 1))
-        if head:
+        if any_rows and ahead is not None:
+            ahead(prefix, ENCODE_AHEAD_BYTES)  # before waiting for the target (a lock)
+        if any_rows:
             target = spec.target()
             commit.skipped = target.resume(spec.channel, prefix)
             commit.rows = commit.skipped
@@ -457,10 +549,7 @@ def publish_payloads(
                     attempt,
                     commit.skipped,
                 )
-        for first, chunk, key in _chunks(
-            itertools.chain(head, rows), spec.batch_size, spec.correlation_id_column,
-            commit.skipped,
-        ):
+        for first, count, key, send in chunks(commit.skipped):
             assert target is not None
             if spec.correlation_id_column is not None:
                 corr = key
@@ -469,15 +558,13 @@ def publish_payloads(
                 corr = f"spark:{query_id or 'query'}:{batch_id}:{partition}:{index}"
             else:
                 corr = spec.correlation_id
-            items = [(spec.payload_type, p) for p in chunk]
-            wanted = [f"{prefix}{first + i}" for i in range(len(chunk))]
-            ids = target.publish_batch(spec.channel, items, spec.service_name, corr, wanted)
+            ids = send(target, corr, prefix)
             if ids:
                 commit.first_id = commit.first_id or ids[0]
                 commit.last_id = ids[-1]
             commit.rows += len(ids)
             commit.batches += 1
-            target.committed(spec.channel, prefix, first + len(chunk))
+            target.committed(spec.channel, prefix, first + count)
     except Exception as exc:
         where = "" if batch_id is None else f" of micro-batch {batch_id}"
         raise PartitionError(
@@ -582,11 +669,104 @@ def report(
 def publish_arrow(
     spec: WriteSpec, batches: Iterable[pa.RecordBatch], job: str | None = None
 ) -> PartitionCommit:
-    """Publishes this task's Arrow batches, one payload per row."""
+    """Publishes this task's Arrow batches, one payload per row: encoded by
+    the engine straight from the Arrow buffers when every column has a type
+    it encodes (:meth:`RowEncoder.arrow_columns`), else
+    through Python dicts."""
     encoder = spec.encoder
+    it = iter(batches)
+    head = next(it, None)
+    while head is not None and head.num_rows == 0:
+        head = next(it, None)
+    if head is None:
+        return _publish_chunks(spec, False, lambda skip: iter(()), job)
+    if spec.correlation_id_column is None and encoder.arrow_columns(head) is not None:
+        chunks = _ArrowChunks(spec, itertools.chain([head], it))
+        ahead = ENCODE_AHEAD_BYTES if spec.data_dir is not None else 0
+        return _publish_chunks(spec, True, chunks, job, ahead=chunks.ahead if ahead else None)
     return publish_payloads(
-        spec, (p for batch in batches for p in encoder.from_arrow(batch)), job
+        spec, (p for b in itertools.chain([head], it) for p in encoder.from_arrow(b)), job
     )
+
+
+#: A ``data_dir`` write encodes up to this many bytes of Arrow data ahead,
+#: before it waits for the directory lock: tasks encode in parallel and take
+#: turns only to append.
+ENCODE_AHEAD_BYTES = 256 * 1024 * 1024
+
+
+class _ArrowChunks:
+    """Chunks of at most ``batch_size`` rows of Arrow batches (cut at batch
+    ends too), encoded by the engine; called with ``skip``, leaves out the
+    first ``skip`` rows of the partition. :meth:`ahead` encodes chunks before
+    the target is open (a chunk that turns out to straddle ``skip`` is
+    encoded again from there)."""
+
+    def __init__(self, spec: WriteSpec, batches: Iterable[pa.RecordBatch]) -> None:
+        self.spec = spec
+        self.pieces = self._cut(iter(batches))
+        #: (first row, rows, columns, payloads encoded with ids of ``prefix``).
+        self.ready: list[tuple[int, int, list[Any], Any]] = []
+        self.prefix: str | None = None
+
+    def _cut(self, batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, int, list[Any], int]]:
+        """(first row, rows, columns, Arrow bytes) of each chunk, in order."""
+        row = 0  # index of the current batch's first row in the partition
+        for batch in batches:
+            n = batch.num_rows
+            whole = self.spec.encoder.arrow_columns(batch) if n else []
+            if whole is None:  # a later batch with other types (Spark sends one schema)
+                raise TypeError(f"keyop: Arrow batch of unexpected types: {batch.schema}")
+            per_row = batch.nbytes / max(n, 1)
+            for lo in range(0, n, self.spec.batch_size):
+                size = min(self.spec.batch_size, n - lo)
+                columns = [(c[0], c[1], c[2] + lo, *c[3:]) for c in whole]
+                yield row + lo, size, columns, int(per_row * size)
+            row += n
+
+    def _encode(self, columns: list[Any], size: int, prefix: str, first: int) -> Any:
+        from .. import _core
+
+        return _core.encode_columns(
+            self.spec.payload_type, columns, size, id_prefix=prefix, first_row=first
+        )
+
+    def ahead(self, prefix: str, budget: int) -> None:
+        """Encodes chunks (ids of ``prefix``) until ``budget`` bytes of Arrow
+        data are encoded or the batches end."""
+        self.prefix = prefix
+        used = 0
+        while used < budget:
+            piece = next(self.pieces, None)
+            if piece is None:
+                return
+            first, size, columns, nbytes = piece
+            self.ready.append((first, size, columns, self._encode(columns, size, prefix, first)))
+            used += nbytes
+
+    def __call__(self, skip: int) -> Iterator[_Chunk]:
+        pending = [(f, n, c, e) for f, n, c, e in self.ready]
+        self.ready = []
+        rest = ((f, n, c, None) for f, n, c, _ in self.pieces)
+        for first, size, columns, encoded in itertools.chain(pending, rest):
+            if first + size <= skip:
+                continue
+            if first < skip:  # straddles the resume point: encode from there
+                cut = skip - first
+                columns = [(c[0], c[1], c[2] + cut, *c[3:]) for c in columns]
+                first, size, encoded = skip, size - cut, None
+
+            def send(
+                target: _Target, corr: str | None, prefix: str, first: int = first,
+                columns: list[Any] = columns, size: int = size, encoded: Any = encoded,
+            ) -> list[str]:  # fmt: skip
+                if encoded is None or prefix != self.prefix:
+                    encoded = self._encode(columns, size, prefix, first)
+                return target.publish_encoded(
+                    self.spec.channel, encoded, self.spec.service_name, corr
+                )
+
+            yield first, size, None, send
 
 
 def publish_rows(spec: WriteSpec, rows: Iterable[Row], job: str | None = None) -> PartitionCommit:

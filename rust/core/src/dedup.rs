@@ -3,15 +3,22 @@
 //!
 //! Ids are marked seen only once the message is committed locally, so a
 //! failed write never makes a later retransmission look like a duplicate.
+//! While a receiver is storing a record its id is *in flight*
+//! ([`SeenIds::claim`]): another receiver given the same id (a resend on a
+//! second connection, a retried Spark task) waits for that outcome instead
+//! of storing a second copy, and stores the record itself if the first
+//! attempt failed.
 //!
 //! The window is bounded in bytes as well as in entries: ids are normally
 //! 36-character UUIDs, but a peer may send long ones, and a window of
 //! 100,000 multi-megabyte ids would hold gigabytes.
 
+use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::sync::Mutex;
 
 use lru::LruCache;
+use tokio::sync::watch;
 
 /// Bytes an entry is counted for on top of its id (the LRU's node and
 /// hash-table slot).
@@ -32,6 +39,9 @@ struct Window {
     /// with SipHash, dedup was about a tenth of the CPU of a client and hub
     /// federating in one process.
     lru: LruCache<String, (), foldhash::fast::RandomState>,
+    /// Ids being stored now, with the channel their outcome is sent on
+    /// (true: committed).
+    in_flight: HashMap<String, watch::Sender<Option<bool>>>,
     /// Bytes counted for the ids held (id length plus overhead).
     bytes: usize,
     max_bytes: usize,
@@ -59,6 +69,7 @@ impl SeenIds {
         SeenIds {
             ids: Mutex::new(Window {
                 lru: LruCache::with_hasher(cap, foldhash::fast::RandomState::default()),
+                in_flight: HashMap::new(),
                 bytes: 0,
                 max_bytes,
             }),
@@ -73,6 +84,50 @@ impl SeenIds {
             .lru
             .get(id)
             .is_some()
+    }
+
+    /// Claims `id` for storing: [`Claim::Seen`] if it was committed
+    /// recently, [`Claim::Pending`] if another caller is storing it now (wait
+    /// on the receiver, then claim again), else [`Claim::Mine`]: the caller
+    /// stores the record and must [`settle`](SeenIds::settle) the id, whatever
+    /// the outcome (a [`ClaimGuard`] does it on every path).
+    pub fn claim(&self, id: &str) -> Claim {
+        let mut w = self.ids.lock().unwrap_or_else(|e| e.into_inner());
+        if w.lru.get(id).is_some() {
+            return Claim::Seen;
+        }
+        if let Some(tx) = w.in_flight.get(id) {
+            return Claim::Pending(tx.subscribe());
+        }
+        let (tx, _) = watch::channel(None);
+        w.in_flight.insert(id.to_owned(), tx);
+        Claim::Mine
+    }
+
+    /// Ends the claim on `id`: marks it seen if `committed`, and tells the
+    /// callers waiting on it.
+    pub fn settle(&self, id: &str, committed: bool) {
+        if committed {
+            self.insert(id);
+        }
+        let tx = self
+            .ids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .in_flight
+            .remove(id);
+        if let Some(tx) = tx {
+            tx.send_replace(Some(committed));
+        }
+    }
+
+    /// Ids claimed and not yet settled.
+    pub fn in_flight(&self) -> usize {
+        self.ids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .in_flight
+            .len()
     }
 
     /// Marks `id` as seen.
@@ -109,9 +164,109 @@ impl SeenIds {
     }
 }
 
+/// What [`SeenIds::claim`] found.
+#[derive(Debug)]
+pub enum Claim {
+    /// Committed recently: a duplicate.
+    Seen,
+    /// Being stored by another caller; its outcome (true: committed) comes
+    /// on this receiver (the sender dropped also ends the wait: claim again).
+    Pending(watch::Receiver<Option<bool>>),
+    /// The caller stores it.
+    Mine,
+}
+
+impl Claim {
+    /// Waits until a pending claim's outcome is known: true when the other
+    /// attempt committed the record.
+    pub async fn outcome(rx: &mut watch::Receiver<Option<bool>>) -> bool {
+        match rx.wait_for(Option::is_some).await {
+            Ok(v) => v.unwrap_or(false),
+            Err(_) => false, // settled and gone: claim again
+        }
+    }
+}
+
+/// Claims taken with [`SeenIds::claim`]; those not settled by
+/// [`ClaimGuard::settle_all`] are settled as failed when the guard drops (an
+/// error, a cancelled task), so a waiting resend stores the records itself.
+pub struct ClaimGuard<'a> {
+    seen: &'a SeenIds,
+    ids: Vec<String>,
+}
+
+impl<'a> ClaimGuard<'a> {
+    pub fn new(seen: &'a SeenIds) -> ClaimGuard<'a> {
+        ClaimGuard {
+            seen,
+            ids: Vec::new(),
+        }
+    }
+
+    /// Holds a claim of `id` (one [`Claim::Mine`] returned).
+    pub fn hold(&mut self, id: &str) {
+        self.ids.push(id.to_owned());
+    }
+
+    /// Settles the held claims of `ids` with `committed`.
+    pub fn settle_all(&mut self, ids: &[String], committed: bool) {
+        for id in ids {
+            self.seen.settle(id, committed);
+        }
+        let done: std::collections::HashSet<&String> = ids.iter().collect();
+        self.ids.retain(|i| !done.contains(i));
+    }
+}
+
+impl Drop for ClaimGuard<'_> {
+    fn drop(&mut self) {
+        for id in self.ids.drain(..) {
+            self.seen.settle(&id, false);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn in_flight_ids_wait_for_the_first_attempt() {
+        let s = SeenIds::new(10);
+        assert!(matches!(s.claim("a"), Claim::Mine));
+        let Claim::Pending(mut rx) = s.claim("a") else {
+            panic!("a second claim must wait");
+        };
+        s.settle("a", false);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        assert!(
+            !rt.block_on(Claim::outcome(&mut rx)),
+            "the first attempt failed"
+        );
+        assert!(
+            matches!(s.claim("a"), Claim::Mine),
+            "a failed attempt frees the id"
+        );
+        let Claim::Pending(mut rx) = s.claim("a") else {
+            panic!("in flight again");
+        };
+        {
+            let mut guard = ClaimGuard::new(&s);
+            guard.hold("a");
+            guard.settle_all(&["a".to_owned()], true);
+        }
+        assert!(rt.block_on(Claim::outcome(&mut rx)));
+        assert!(matches!(s.claim("a"), Claim::Seen));
+        assert!(matches!(s.claim("b"), Claim::Mine));
+        drop(ClaimGuard {
+            seen: &s,
+            ids: vec!["b".to_owned()],
+        });
+        assert_eq!(s.in_flight(), 0, "a dropped guard settles its claims");
+        assert!(matches!(s.claim("b"), Claim::Mine));
+    }
 
     #[test]
     fn evicts_least_recently_used() {

@@ -4,6 +4,7 @@
 //! (segment files of JSON-lines envelopes); see `envelope` and `storage`.
 
 pub mod audit;
+pub mod columns;
 pub mod dedup;
 pub mod engine;
 pub mod envelope;

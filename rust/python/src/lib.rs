@@ -6,6 +6,7 @@
 //! Thin by design: argument conversion, GIL release around every blocking
 //! step, and error mapping (in `errors`). No engine logic lives here.
 
+mod columns;
 mod errors;
 mod json;
 mod keygen;
@@ -119,6 +120,22 @@ fn encode_items(
         encoded.push((payload_type, json));
     }
     Ok(encoded)
+}
+
+/// `(payload_type, payload JSON)` pairs borrowed from encoded items.
+fn borrowed(owned: &[(String, Vec<u8>)]) -> Vec<(&str, &[u8])> {
+    owned
+        .iter()
+        .map(|(t, j)| (t.as_str(), j.as_slice()))
+        .collect()
+}
+
+/// The ids a `PayloadBatch` given as items carries, if any.
+fn batch_ids(items: &Bound<'_, PyAny>) -> Option<Vec<String>> {
+    items
+        .cast::<columns::PayloadBatch>()
+        .ok()
+        .and_then(|b| b.get().ids.clone())
 }
 
 fn encode_payload(
@@ -363,10 +380,18 @@ impl PyEngine {
         default: Option<&Bound<'_, PyAny>>,
         ids: Option<Vec<String>>,
     ) -> PyResult<Vec<String>> {
-        let encoded = encode_items(py, items, default)?;
+        let owned;
+        let encoded = match items.cast::<columns::PayloadBatch>() {
+            Ok(batch) => batch.get().pairs(),
+            Err(_) => {
+                owned = encode_items(py, items, default)?;
+                borrowed(&owned)
+            }
+        };
+        let ids = ids.or_else(|| batch_ids(items));
         let msgs: Vec<Outgoing<'_>> = encoded
             .iter()
-            .map(|(t, j)| Outgoing {
+            .map(|&(t, j)| Outgoing {
                 payload_type: t,
                 payload_json: j,
                 service_name,
@@ -1214,8 +1239,15 @@ impl EphemeralClient {
         keyop_core::envelope::validate_name(keyop_core::NameKind::PublishChannel, channel)
             .map_err(keyop_core::Error::from)
             .py_err(py)?;
-        let encoded = encode_items(py, items, default)?;
-        let given = ids;
+        let owned;
+        let encoded = match items.cast::<columns::PayloadBatch>() {
+            Ok(batch) => batch.get().pairs(),
+            Err(_) => {
+                owned = encode_items(py, items, default)?;
+                borrowed(&owned)
+            }
+        };
+        let given = ids.or_else(|| batch_ids(items));
         if let Some(g) = &given {
             if g.len() != encoded.len() {
                 return Err(new_err(
@@ -1655,6 +1687,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<receipt::Receipt>()?;
     m.add_class::<receipt::Completer>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
+    m.add_class::<columns::PayloadBatch>()?;
+    m.add_class::<columns::ColumnIter>()?;
+    m.add_function(wrap_pyfunction!(columns::encode_columns, m)?)?;
+    m.add_function(wrap_pyfunction!(columns::read_columns, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_position, m)?)?;
     m.add_function(wrap_pyfunction!(read_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;

@@ -2,6 +2,9 @@
 //! (batches in, acknowledgements of our batches), the sender (stop-and-wait
 //! batches out from persisted cursors) and a keepalive pinger. Every write
 //! goes through one lock, so acknowledgements and batches never interleave.
+//! why this file is long: the reader (storing a received batch: validity,
+//! dedup with in-flight ids, policy, one commit per channel) and the sender
+//! share one connection's state; split, each half would need the other's types.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -21,6 +24,7 @@ use super::status::{LinkStatus, RefusalReason};
 use super::wire::{push_record, split_batch, Ack, Refused};
 use super::{Shared, ACK_TIMEOUT, PING_INTERVAL, READ_TIMEOUT};
 use crate::audit::AuditEvent;
+use crate::dedup::{Claim, ClaimGuard};
 use crate::envelope::{
     decode_valid, validate_name, Envelope, NameKind, RecordError, MAX_RECORD_BYTES,
 };
@@ -254,7 +258,10 @@ fn refuse(shared: &Shared, inbound: &Inbound, refused: &Refused, why: &str) {
 /// Refused records are logged, audited and listed in the acknowledgement
 /// (for peers that asked, see [`Inbound::report_refusals`]); they are never
 /// acknowledged as stored. A failed append ends the connection without
-/// acknowledging, so the peer sends the batch again.
+/// acknowledging, so the peer sends the batch again. A record whose id
+/// another connection is storing at the same moment (a resend) is not
+/// stored twice: this batch waits for that attempt and stores the record
+/// itself only if the attempt failed (`dedup::SeenIds::claim`).
 async fn receive_batch(
     shared: &Arc<Shared>,
     inbound: &Inbound,
@@ -266,6 +273,10 @@ async fn receive_batch(
     let mut in_batch: HashSet<String> = HashSet::new();
     // Per channel, in order of first appearance: (channel, lines, ids).
     let mut groups: Vec<(String, Vec<u8>, Vec<String>)> = Vec::new();
+    // Ids this batch stores (settled as failed if it returns early) and
+    // those another connection is storing at the same moment.
+    let mut claims = ClaimGuard::new(&shared.seen);
+    let mut pending: Vec<(String, Vec<u8>, String, PendingOutcome)> = Vec::new();
     for rec in records {
         let env = match decode_valid(rec, limit, NameKind::Channel) {
             Ok(env) => env,
@@ -348,35 +359,57 @@ async fn receive_batch(
         };
         in_batch.insert(env.id.clone());
         ack.last_id = env.id.clone();
-        match groups.iter_mut().find(|g| g.0 == env.channel) {
-            Some(g) => {
-                g.1.extend_from_slice(&line);
-                g.2.push(env.id);
+        match shared.seen.claim(&env.id) {
+            Claim::Seen => continue,
+            // Another connection is storing this id now: wait for it below.
+            Claim::Pending(rx) => pending.push((env.channel, line, env.id, rx)),
+            Claim::Mine => {
+                claims.hold(&env.id);
+                add_to_group(&mut groups, env.channel, &line, env.id);
             }
-            None => groups.push((env.channel, line, vec![env.id])),
         }
     }
-    for (channel, lines, ids) in groups {
-        let store = shared.store.clone();
-        let n = ids.len() as u64;
-        let ch = channel.clone();
-        let committed = tokio::task::spawn_blocking(move || store.writer(&ch)?.append(&lines, n))
-            .await
-            .map_err(|e| format!("store task failed: {e}"))?;
-        if let Err(e) = committed {
-            return Err(format!(
-                "cannot store {n} records on channel {channel:?}: {e}"
-            ));
+    loop {
+        for (channel, lines, ids) in std::mem::take(&mut groups) {
+            let store = shared.store.clone();
+            let n = ids.len() as u64;
+            let ch = channel.clone();
+            let committed =
+                tokio::task::spawn_blocking(move || store.writer(&ch)?.append(&lines, n))
+                    .await
+                    .map_err(|e| format!("store task failed: {e}"))?;
+            if let Err(e) = committed {
+                return Err(format!(
+                    "cannot store {n} records on channel {channel:?}: {e}"
+                ));
+            }
+            if let Some(counter) = &inbound.received {
+                counter.fetch_add(n, Ordering::Relaxed);
+            }
+            claims.settle_all(&ids, true);
+            shared
+                .audit
+                .log_forwards("inbound", &inbound.peer, &channel, &ids);
         }
-        if let Some(counter) = &inbound.received {
-            counter.fetch_add(n, Ordering::Relaxed);
+        // Records another connection was storing (none of ours is held now,
+        // so two batches waiting on each other cannot deadlock): acknowledged
+        // once that attempt committed them, stored here if it failed.
+        if pending.is_empty() {
+            break;
         }
-        for id in &ids {
-            shared.seen.insert(id);
+        for (channel, line, id, mut rx) in std::mem::take(&mut pending) {
+            if Claim::outcome(&mut rx).await {
+                continue;
+            }
+            match shared.seen.claim(&id) {
+                Claim::Seen => {}
+                Claim::Pending(rx) => pending.push((channel, line, id, rx)),
+                Claim::Mine => {
+                    claims.hold(&id);
+                    add_to_group(&mut groups, channel, &line, id);
+                }
+            }
         }
-        shared
-            .audit
-            .log_forwards("inbound", &inbound.peer, &channel, &ids);
     }
     // Every qualifying record is now refused or committed (a failed commit
     // returned above): acknowledge the last of them in batch order.
@@ -384,6 +417,25 @@ async fn receive_batch(
         ack.refused.clear();
     }
     Ok(ack)
+}
+
+type PendingOutcome = tokio::sync::watch::Receiver<Option<bool>>;
+
+/// Adds a record's line and id to its channel's group (groups keep the order
+/// of first appearance).
+fn add_to_group(
+    groups: &mut Vec<(String, Vec<u8>, Vec<String>)>,
+    channel: String,
+    line: &[u8],
+    id: String,
+) {
+    match groups.iter_mut().find(|g| g.0 == channel) {
+        Some(g) => {
+            g.1.extend_from_slice(line);
+            g.2.push(id);
+        }
+        None => groups.push((channel, line.to_vec(), vec![id])),
+    }
 }
 
 async fn send_loop<S>(

@@ -1,0 +1,260 @@
+//! Columns in Arrow's buffer layout, to and from Python (the Spark data
+//! source's Arrow batches): conversion only, the work is in
+//! `keyop_core::columns`.
+
+use std::path::PathBuf;
+
+use keyop_core::columns::{Column, ColumnBatch, ColumnReader, ColumnValues, TextColumn};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+use crate::errors::{new_err, IntoPyResult, Kind};
+
+/// Payloads encoded from columns, with one payload type and, optionally,
+/// the ids `<id_prefix><first_row + i>`: what `publish_batch` takes in place
+/// of a list of `(payload_type, payload)` items.
+#[pyclass(module = "keyop_messenger._core", frozen)]
+pub struct PayloadBatch {
+    pub payload_type: String,
+    pub json: Vec<u8>,
+    pub ends: Vec<usize>,
+    pub ids: Option<Vec<String>>,
+}
+
+#[pymethods]
+impl PayloadBatch {
+    fn __len__(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// The payloads as JSON text, one per row (for tests and debugging).
+    fn payloads(&self) -> Vec<String> {
+        let mut start = 0;
+        self.ends
+            .iter()
+            .map(|&end| {
+                let s = String::from_utf8_lossy(&self.json[start..end]).into_owned();
+                start = end;
+                s
+            })
+            .collect()
+    }
+}
+
+impl PayloadBatch {
+    /// `(payload_type, payload JSON)` pairs, as `publish_batch` takes them.
+    pub fn pairs(&self) -> Vec<(&str, &[u8])> {
+        let mut start = 0;
+        self.ends
+            .iter()
+            .map(|&end| {
+                let item = (self.payload_type.as_str(), &self.json[start..end]);
+                start = end;
+                item
+            })
+            .collect()
+    }
+}
+
+type ColumnSpec<'py> = (
+    String,
+    String,
+    usize,
+    Option<Bound<'py, PyBytes>>,
+    Bound<'py, PyBytes>,
+    Option<Bound<'py, PyBytes>>,
+);
+
+/// Encodes `rows` rows of `columns` as JSON objects. Each column is
+/// `(name, kind, offset, validity, data, offsets)`: `kind` one of `bool`,
+/// `int8`..`int64`, `float32`, `float64`, `utf8`, `timestamp_utc`,
+/// `timestamp_ntz` (microseconds), `date32`; the buffers are Arrow's
+/// (`validity` None when there are no nulls; `offsets` for `utf8` only);
+/// `offset` the array's first row in them.
+#[pyfunction]
+#[pyo3(signature = (payload_type, columns, rows, *, id_prefix = None, first_row = 0))]
+pub fn encode_columns(
+    py: Python<'_>,
+    payload_type: String,
+    columns: Vec<ColumnSpec<'_>>,
+    rows: usize,
+    id_prefix: Option<&str>,
+    first_row: u64,
+) -> PyResult<PayloadBatch> {
+    let bad = |msg: String| new_err(py, Kind::PayloadType, msg);
+    let mut cols = Vec::with_capacity(columns.len());
+    for (name, kind, offset, validity, data, offsets) in &columns {
+        let data = data.as_bytes();
+        let values = match kind.as_str() {
+            "bool" => ColumnValues::Bool(data),
+            "int8" | "int16" | "int32" | "int64" => ColumnValues::Int {
+                width: kind[3..].parse::<usize>().unwrap_or(64) / 8,
+                data,
+            },
+            "float32" | "float64" => ColumnValues::Float {
+                width: kind[5..].parse::<usize>().unwrap_or(64) / 8,
+                data,
+            },
+            "utf8" => ColumnValues::Text {
+                offsets: offsets
+                    .as_ref()
+                    .ok_or_else(|| bad(format!("column {name:?}: utf8 needs offsets")))?
+                    .as_bytes(),
+                data,
+            },
+            "timestamp_utc" => ColumnValues::TimestampMicros { data, utc: true },
+            "timestamp_ntz" => ColumnValues::TimestampMicros { data, utc: false },
+            "date32" => ColumnValues::Date32(data),
+            other => {
+                return Err(bad(format!(
+                    "column {name:?}: kind {other:?} not supported"
+                )))
+            }
+        };
+        cols.push(Column {
+            name,
+            values,
+            validity: validity.as_ref().map(|v| v.as_bytes()),
+            offset: *offset,
+        });
+    }
+    let mut json = Vec::with_capacity(rows * 64);
+    let ends = py
+        .detach(|| keyop_core::columns::encode_payloads(&cols, rows, &mut json))
+        .map_err(|e| bad(e.to_string()))?;
+    let ids = id_prefix.map(|p| {
+        (0..rows as u64)
+            .map(|i| {
+                let mut id = String::with_capacity(p.len() + 20);
+                id.push_str(p);
+                id.push_str(itoa::Buffer::new().format(first_row + i));
+                id
+            })
+            .collect()
+    });
+    Ok(PayloadBatch {
+        payload_type,
+        json,
+        ends,
+        ids,
+    })
+}
+
+/// Batches of the records of a channel as Arrow buffers (see
+/// `read_columns`).
+#[pyclass(module = "keyop_messenger._core")]
+pub struct ColumnIter {
+    reader: ColumnReader,
+    channel: String,
+    skip_gaps: bool,
+    batch_rows: usize,
+}
+
+fn text<'py>(py: Python<'py>, c: &TextColumn) -> Bound<'py, PyTuple> {
+    let offsets: Vec<u8> = c.offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+    let validity = (c.nulls > 0).then(|| PyBytes::new(py, &c.validity));
+    PyTuple::new(
+        py,
+        [
+            PyBytes::new(py, &offsets).into_any(),
+            PyBytes::new(py, &c.data).into_any(),
+            validity.map_or_else(|| py.None().into_bound(py), |v| v.into_any()),
+            c.nulls.into_pyobject(py).expect("int").into_any(),
+        ],
+    )
+    .expect("tuple")
+}
+
+fn ints<'py>(py: Python<'py>, v: &[i64]) -> Bound<'py, PyBytes> {
+    let b: Vec<u8> = v.iter().flat_map(|o| o.to_le_bytes()).collect();
+    PyBytes::new(py, &b)
+}
+
+#[pymethods]
+impl ColumnIter {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    /// `(rows, offset, segment, ts_micros, id, channel, origin, payload_type,
+    /// service_name, correlation_id, payload)`: the numbers as `int64`
+    /// buffers, each text column as `(offsets, data, validity or None,
+    /// null count)`; each payload's JSON text ends with a line feed.
+    fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        loop {
+            let rows = self.batch_rows;
+            let reader = &mut self.reader;
+            let found = py.detach(|| reader.next_batch(rows)).map_err(|e| {
+                new_err(
+                    py,
+                    Kind::Storage,
+                    format!("cannot read channel {:?}: {e}", self.channel),
+                )
+            })?;
+            let cols = match found {
+                None => return Ok(None),
+                Some(ColumnBatch::Records(cols)) => cols,
+                Some(ColumnBatch::Gap { from, to }) => {
+                    keyop_core::storage::quarantine::report_gap(
+                        &self.channel,
+                        "a reader",
+                        from,
+                        to,
+                    );
+                    if self.skip_gaps {
+                        continue;
+                    }
+                    return Err(new_err(
+                        py,
+                        Kind::DataLoss,
+                        format!(
+                            "channel {:?}: bytes {from}..{to} are gone (deleted by retention, \
+                             or a segment was removed or truncated); read from offset {to}, or \
+                             with skip_gaps=True, to go on past them",
+                            self.channel
+                        ),
+                    ));
+                }
+            };
+            let items = [
+                cols.rows.into_pyobject(py)?.into_any(),
+                ints(py, &cols.offset).into_any(),
+                ints(py, &cols.segment).into_any(),
+                ints(py, &cols.ts_micros).into_any(),
+                text(py, &cols.id).into_any(),
+                text(py, &cols.channel).into_any(),
+                text(py, &cols.origin).into_any(),
+                text(py, &cols.payload_type).into_any(),
+                text(py, &cols.service_name).into_any(),
+                text(py, &cols.correlation_id).into_any(),
+                text(py, &cols.payload).into_any(),
+            ];
+            return Ok(Some(PyTuple::new(py, items)?));
+        }
+    }
+}
+
+/// Reads the records of `channel` in `data_dir` from the record boundary
+/// `start_offset`, up to records ending at or before `until`, in batches of
+/// at most `batch_rows` as Arrow buffers (see `ColumnIter.__next__`).
+/// Unreadable records are quarantined and passed over; a gap raises
+/// `DataLossError` unless `skip_gaps`.
+#[pyfunction]
+#[pyo3(signature = (data_dir, channel, start_offset, until, *, skip_gaps = false, batch_rows = 8192))]
+pub fn read_columns(
+    py: Python<'_>,
+    data_dir: PathBuf,
+    channel: &str,
+    start_offset: u64,
+    until: u64,
+    skip_gaps: bool,
+    batch_rows: usize,
+) -> PyResult<ColumnIter> {
+    let reader = ColumnReader::open(&data_dir, channel, start_offset, until).py_err(py)?;
+    Ok(ColumnIter {
+        reader,
+        channel: channel.to_owned(),
+        skip_gaps,
+        batch_rows: batch_rows.max(1),
+    })
+}

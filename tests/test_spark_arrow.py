@@ -1,0 +1,228 @@
+"""The Arrow paths of the Spark data source, without a Spark session: the
+engine's column encoder writes the same payloads as the Python row encoder,
+and the engine's column reader with Arrow's JSON parsing gives the same
+values as the per-value Python conversion (which it falls back to)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from pyspark.sql.types import (
+    BooleanType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+import keyop_messenger as km
+from keyop_messenger import _core
+from keyop_messenger.spark.mapping import RowEncoder
+from keyop_messenger.spark.reader import KeyopPartition, _read_partition, stream_end
+
+UTC = datetime.timezone.utc
+
+SCHEMA = StructType(
+    [
+        StructField("s", StringType()),
+        StructField("i16", ShortType()),
+        StructField("i32", IntegerType()),
+        StructField("i64", LongType()),
+        StructField("f32", FloatType()),
+        StructField("f64", DoubleType()),
+        StructField("ok", BooleanType()),
+        StructField("day", DateType()),
+        StructField("at", TimestampType()),
+        StructField("wall", TimestampNTZType()),
+    ]
+)
+
+
+def sample() -> pa.RecordBatch:
+    n = 40
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([None if i % 7 == 0 else f'é"\\\n{i}\t\u2028' for i in range(n)]),
+            pa.array([i - 20 for i in range(n)], pa.int16()),
+            pa.array([None if i % 5 == 0 else -(2**31) + i for i in range(n)], pa.int32()),
+            pa.array([2**63 - 1 - i for i in range(n)], pa.int64()),
+            pa.array([0.1 * i for i in range(n)], pa.float32()),
+            pa.array(
+                [math.nan, math.inf, -math.inf, 1e16, 1e-7, -0.0]
+                + [i / 3 for i in range(n - 6)],
+                pa.float64(),
+            ),
+            pa.array([None if i % 3 == 0 else i % 2 == 0 for i in range(n)]),
+            pa.array([datetime.date(1969, 12, 25) + datetime.timedelta(days=i) for i in range(n)]),
+            pa.array(
+                [-1_500_000 + i * 1_000_123 for i in range(n)], pa.timestamp("us", tz="UTC")
+            ),
+            pa.array([1_774_915_200_000_000 + i * 10 for i in range(n)], pa.timestamp("us")),
+        ],
+        names=SCHEMA.fieldNames(),
+    )
+
+
+def test_engine_encodes_columns_as_the_row_encoder_does() -> None:
+    encoder = RowEncoder(SCHEMA)
+    for batch in (sample(), sample().slice(3, 30)):  # a slice: buffers start before its rows
+        columns = encoder.arrow_columns(batch)
+        assert columns is not None
+        encoded = _core.encode_columns("t", columns, batch.num_rows, id_prefix="j:1:", first_row=5)
+        assert len(encoded) == batch.num_rows
+        expected = [json.loads(json.dumps(p)) for p in encoder.from_arrow(batch)]
+        assert [json.loads(p) for p in encoded.payloads()] == expected
+
+
+def test_types_the_engine_does_not_encode_go_through_python() -> None:
+    schema = StructType([StructField("d", DecimalType(10, 2))])
+    batch = pa.RecordBatch.from_arrays([pa.array([None], pa.decimal128(10, 2))], names=["d"])
+    assert RowEncoder(schema).arrow_columns(batch) is None
+
+
+def test_published_batches_carry_their_ids(tmp_path: Path) -> None:
+    encoder = RowEncoder(SCHEMA)
+    batch = sample()
+    columns = encoder.arrow_columns(batch)
+    assert columns is not None
+    encoded = _core.encode_columns("t", columns, batch.num_rows, id_prefix="j:1:", first_row=5)
+    with km.Messenger(
+        km.Config.from_dict({"name": "n", "storage": {"data_dir": str(tmp_path)}})
+    ) as m:
+        ids = m._engine.publish_batch("c", encoded, None, None)
+    assert ids == [f"j:1:{5 + i}" for i in range(batch.num_rows)]
+    stored = list(km.read_channel(tmp_path, "c"))
+    assert [e.message.id for e in stored] == ids
+    assert [e.message.payload for e in stored] == [json.loads(p) for p in encoded.payloads()]
+
+
+def read_schema(payload: Any) -> StructType:
+    text = StringType()
+    return StructType(
+        [StructField("id", text), StructField("ts", TimestampType())]
+        + [StructField(n, text) for n in
+           ("channel", "origin", "payload_type", "service_name", "correlation_id")]
+        + [StructField("payload", payload), StructField("segment", LongType()),
+           StructField("offset", LongType())]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_payload_schema_parsed_by_arrow_matches_python(tmp_path: Path, bad: bool) -> None:
+    payload = StructType(
+        [
+            StructField("n", LongType()),
+            StructField("x", DoubleType()),
+            StructField("s", StringType()),
+            StructField("at", TimestampType()),
+            StructField("ok", BooleanType()),
+        ]
+    )
+    items = [
+        ("t", {"n": i, "x": i / 4, "s": f"v{i}", "at": f"2026-03-31T00:00:0{i % 10}.5Z",
+               "ok": i % 2 == 0, "extra": [1]})
+        for i in range(50)
+    ]  # fmt: skip
+    items[7] = ("t", {"n": 7})  # missing keys: nulls
+    if bad:  # a value Arrow refuses: this batch is converted in Python (the value is null)
+        items[9] = ("t", {"n": "not a number", "x": 1, "s": 5})
+    with km.Messenger(
+        km.Config.from_dict({"name": "n", "storage": {"data_dir": str(tmp_path)}})
+    ) as m:
+        m.publish_batch("c", items, correlation_id="cid")
+    part = KeyopPartition(0, 0, 0, stream_end(str(tmp_path), "c"), "c")
+    got = [
+        row
+        for b in _read_partition(str(tmp_path), "c", part, read_schema(payload))
+        for row in b.to_pylist()
+    ]
+    texts = [
+        row
+        for b in _read_partition(str(tmp_path), "c", part, read_schema(StringType()))
+        for row in b.to_pylist()
+    ]
+    assert len(got) == len(texts) == 50
+    assert [r["correlation_id"] for r in got] == ["cid"] * 50
+    assert [json.loads(r["payload"]) for r in texts] == [p for _, p in items]
+    first = got[0]["payload"]
+    assert first == {
+        "n": 0, "x": 0.0, "s": "v0",
+        "at": datetime.datetime(2026, 3, 31, 0, 0, 0, 500000, tzinfo=UTC), "ok": True,
+    }  # fmt: skip
+    assert got[7]["payload"] == {"n": 7, "x": None, "s": None, "at": None, "ok": None}
+    if bad:
+        assert got[9]["payload"] == {"n": None, "x": 1.0, "s": "5", "at": None, "ok": None}
+
+
+def test_data_dir_write_resumes_after_the_rows_a_failed_attempt_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks encoded ahead (before the directory lock) and the resume point
+    of a retried attempt: every row once, also when the retry's chunks
+    straddle the rows already committed."""
+    from keyop_messenger.spark import writer
+    from keyop_messenger.spark.writer import PartitionError, WriteSpec, publish_arrow
+
+    schema = StructType([StructField("n", LongType())])
+    batches = [
+        pa.RecordBatch.from_arrays([pa.array(range(lo, lo + 4000), pa.int64())], names=["n"])
+        for lo in range(0, 20_000, 4000)
+    ]
+
+    def spec(batch_size: int) -> WriteSpec:
+        options = {"data_dir": str(tmp_path), "channel": "c", "payload_type": "t",
+                   "batch_size": str(batch_size)}  # fmt: skip
+        return WriteSpec.from_options(options, schema, streaming=False)
+
+    def failing() -> Any:
+        yield from batches[:3]
+        raise RuntimeError("the task dies")
+
+    with pytest.raises(PartitionError, match="after committing 0 rows"):
+        publish_arrow(spec(1000), failing(), "job0")  # died while encoding ahead
+    assert not (tmp_path / "channels" / "c").exists()
+    with monkeypatch.context() as patch:
+        patch.setattr(writer, "ENCODE_AHEAD_BYTES", 1)  # one chunk ahead, then as it comes
+        with pytest.raises(PartitionError, match="after committing 12000 rows"):
+            publish_arrow(spec(1000), failing(), "job1")
+    commit = publish_arrow(spec(5000), iter(batches), "job1")  # chunk 10000-15000 straddles
+    assert (commit.skipped, commit.rows) == (12_000, 20_000)
+    stored = list(km.read_channel(tmp_path, "c"))
+    assert [e.message.id for e in stored] == [f"job1:0:{i}" for i in range(20_000)]
+    assert [e.message.payload["n"] for e in stored] == list(range(20_000))
+
+
+def test_min_partitions_splits_a_read_at_record_boundaries(tmp_path: Path) -> None:
+    from keyop_messenger.spark.reader import BatchReader, ReadSpec
+
+    with km.Messenger(
+        km.Config.from_dict({"name": "n", "storage": {"data_dir": str(tmp_path)}})
+    ) as m:
+        m.publish_batch("c", [("t", {"i": i}) for i in range(300)])
+    options = {"data_dir": str(tmp_path), "channel": "c"}
+    schema = read_schema(StringType())
+    assert len(BatchReader(ReadSpec.all_from_options(options, schema)).partitions()) == 1
+    reader = BatchReader(ReadSpec.all_from_options({**options, "minPartitions": "4"}, schema))
+    parts = reader.partitions()
+    assert 4 <= len(parts) <= 5
+    got = [
+        json.loads(p)["i"]
+        for part in parts
+        for b in reader.read(part)
+        for p in b.column("payload").to_pylist()
+    ]
+    assert got == list(range(300))

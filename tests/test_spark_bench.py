@@ -1,0 +1,33 @@
+"""``keyop-messenger bench --spark`` runs end to end (tiny, in a child process
+with its own Spark session) and reports both ratios and their ceilings as
+JSON keys. A smoke test: the figures themselves belong to the bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+KEYS = (
+    "spark_write_ratio",
+    "spark_read_ratio",
+    "spark_write_ceiling_ratio",
+    "spark_read_ceiling_ratio",
+    "spark_write_json_s",
+    "spark_write_keyop_s",
+    "spark_read_json_s",
+    "spark_read_keyop_s",
+)
+
+
+def test_bench_spark_reports_both_ratios() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "keyop_messenger", "bench", "--spark", "--spark-rows", "3000",
+         "--quick", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["spark_rows"] == 3000
+    for key in KEYS:
+        assert figures[key] > 0, key
