@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
 use crate::errors::{new_err, IntoPyResult, Kind};
+use crate::reader_gap;
 
 /// Payloads encoded from columns, with one payload type and, optionally,
 /// the ids `<id_prefix><first_row + i>`: what `publish_batch` takes in place
@@ -195,25 +196,11 @@ impl ColumnIter {
                 None => return Ok(None),
                 Some(ColumnBatch::Records(cols)) => cols,
                 Some(ColumnBatch::Gap { from, to }) => {
-                    keyop_core::storage::quarantine::report_gap(
-                        &self.channel,
-                        "a reader",
-                        from,
-                        to,
-                    );
+                    let lost = reader_gap(py, &self.channel, from, to);
                     if self.skip_gaps {
                         continue;
                     }
-                    return Err(new_err(
-                        py,
-                        Kind::DataLoss,
-                        format!(
-                            "channel {:?}: bytes {from}..{to} are gone (deleted by retention, \
-                             or a segment was removed or truncated); read from offset {to}, or \
-                             with skip_gaps=True, to go on past them",
-                            self.channel
-                        ),
-                    ));
+                    return Err(lost);
                 }
             };
             let items = [

@@ -56,6 +56,22 @@ fn interruptible<T: Send>(
     }
 }
 
+/// A gap met by a reader of `channel` (bytes `from..to` are gone): reported
+/// (counted and logged) now, and the `DataLossError` the reader raises unless
+/// asked to skip gaps.
+pub(crate) fn reader_gap(py: Python<'_>, channel: &str, from: u64, to: u64) -> PyErr {
+    keyop_core::storage::quarantine::report_gap(channel, "a reader", from, to);
+    new_err(
+        py,
+        Kind::DataLoss,
+        format!(
+            "channel {channel:?}: bytes {from}..{to} are gone (deleted by retention, or a \
+             segment was removed or truncated); read from offset {to}, or with \
+             skip_gaps=True, to go on past them"
+        ),
+    )
+}
+
 /// `timeout_s` (seconds, None: the engine's default) as a duration.
 pub(crate) fn timeout_or(timeout_s: Option<f64>, default: Duration) -> PyResult<Duration> {
     match timeout_s {
@@ -1423,25 +1439,11 @@ impl RecordIter {
             let (offset, segment, line, e) = match found {
                 Found::Record(offset, segment, line, e) => (offset, segment, line, e),
                 Found::Gap(from, to) => {
-                    keyop_core::storage::quarantine::report_gap(
-                        &self.channel,
-                        "a reader",
-                        from,
-                        to,
-                    );
+                    let lost = reader_gap(py, &self.channel, from, to);
                     if self.skip_gaps {
                         continue;
                     }
-                    return Err(new_err(
-                        py,
-                        Kind::DataLoss,
-                        format!(
-                            "channel {:?}: bytes {from}..{to} are gone (deleted by retention, \
-                             or a segment was removed or truncated); read from offset {to}, or \
-                             with skip_gaps=True, to go on past them",
-                            self.channel
-                        ),
-                    ));
+                    return Err(lost);
                 }
             };
             let payload = match self.decoder.payload(py, e.payload.get()) {

@@ -78,16 +78,7 @@ impl Hub {
         cfg: HubSettings,
         tls: Arc<tls::Reloadable<ServerConfig>>,
     ) -> Result<(Hub, Vec<tokio::task::JoinHandle<()>>), FedError> {
-        let listener = TcpListener::bind(&cfg.listen_addr)
-            .await
-            .map_err(|e| FedError::Listen {
-                addr: cfg.listen_addr.clone(),
-                reason: e.to_string(),
-            })?;
-        let addr = listener.local_addr().map_err(|e| FedError::Listen {
-            addr: cfg.listen_addr.clone(),
-            reason: e.to_string(),
-        })?;
+        let (listener, addr) = super::bind(&cfg.listen_addr).await?;
         log::info!("hub {:?} listening on {addr}", shared.name);
         crate::memtrim::configure();
         let counters = Arc::new(HubCounters::default());

@@ -445,6 +445,20 @@ impl Federation {
 
 /// Loads the `tls` files, warning when the certificate CN is not `name` or
 /// a certificate expires soon.
+/// Binds a listener on `addr` (hub, gateway): the listener and the address it
+/// got (port 0 picks one).
+pub(crate) async fn bind(
+    addr: &str,
+) -> Result<(tokio::net::TcpListener, std::net::SocketAddr), FedError> {
+    let failed = |e: std::io::Error| FedError::Listen {
+        addr: addr.to_owned(),
+        reason: e.to_string(),
+    };
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(failed)?;
+    let local = listener.local_addr().map_err(failed)?;
+    Ok((listener, local))
+}
+
 pub(crate) fn load_tls(name: &str, cfg: &TlsSettings) -> Result<tls::TlsMaterial, FedError> {
     let m = tls::TlsMaterial::load(cfg)?;
     if m.own_cn().as_deref() != Some(name) {

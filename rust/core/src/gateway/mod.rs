@@ -197,16 +197,7 @@ impl Gateway {
             .gateway_server_config()
             .map_err(|e| FedError::Tls(e.to_string()))?;
         let rt = federation::runtime()?;
-        let listener = rt
-            .block_on(tokio::net::TcpListener::bind(&cfg.listen_addr))
-            .map_err(|e| FedError::Listen {
-                addr: cfg.listen_addr.clone(),
-                reason: e.to_string(),
-            })?;
-        let addr = listener.local_addr().map_err(|e| FedError::Listen {
-            addr: cfg.listen_addr.clone(),
-            reason: e.to_string(),
-        })?;
+        let (listener, addr) = rt.block_on(federation::bind(&cfg.listen_addr))?;
         let cancel = CancellationToken::new();
         let counters = Arc::new(GatewayCounters::default());
         let state = Arc::new(State {

@@ -380,18 +380,7 @@ impl ChannelWriter {
     /// caller) and returns once they are committed. They are written
     /// contiguously and never split across segments.
     pub fn append(&self, records: &[u8], count: u64) -> Result<Appended, StorageError> {
-        debug_assert!(records.ends_with(b"\n"));
-        let mut st = self.lock();
-        if st.closed {
-            return Err(StorageError::Closed(self.channel.clone()));
-        }
-        let pos = st.pending.len();
-        st.pending.extend_from_slice(records);
-        st.groups.push((records.len(), count));
-        if st.gather_want > 0 && st.groups.len() >= st.gather_want {
-            self.arrived.notify_one();
-        }
-        let slot = st.slot.clone();
+        let (st, pos, slot) = self.enqueue(records, count)?;
         if st.flushing {
             drop(st);
         } else {
@@ -439,6 +428,28 @@ impl ChannelWriter {
             .get()
             .expect("a finished batch has its outcome")
             .result(pos, records.len())
+    }
+
+    /// Queues `records` for the next batch (the state's lock held): their
+    /// place in it and the batch's slot. Refused once the writer is closed.
+    fn enqueue(
+        &self,
+        records: &[u8],
+        count: u64,
+    ) -> Result<(MutexGuard<'_, State>, usize, Arc<Slot>), StorageError> {
+        debug_assert!(records.ends_with(b"\n"));
+        let mut st = self.lock();
+        if st.closed {
+            return Err(StorageError::Closed(self.channel.clone()));
+        }
+        let pos = st.pending.len();
+        st.pending.extend_from_slice(records);
+        st.groups.push((records.len(), count));
+        if st.gather_want > 0 && st.groups.len() >= st.gather_want {
+            self.arrived.notify_one();
+        }
+        let slot = st.slot.clone();
+        Ok((st, pos, slot))
     }
 
     /// Durable mode with concurrent publishers: before flushing, waits until

@@ -37,19 +37,8 @@ impl ChannelWriter {
     /// returns at once; the committer thread commits them with the next
     /// batch. The outcome is the same as [`ChannelWriter::append`]'s.
     pub fn submit(self: &Arc<Self>, records: &[u8], count: u64) -> Result<Ticket, StorageError> {
-        debug_assert!(records.ends_with(b"\n"));
-        let mut st = self.lock();
-        if st.closed {
-            return Err(StorageError::Closed(self.channel.clone()));
-        }
-        let pos = st.pending.len();
-        st.pending.extend_from_slice(records);
-        st.groups.push((records.len(), count));
+        let (mut st, pos, slot) = self.enqueue(records, count)?;
         st.submitted = true;
-        if st.gather_want > 0 && st.groups.len() >= st.gather_want {
-            self.arrived.notify_one();
-        }
-        let slot = st.slot.clone();
         if !st.committer {
             self.start_committer(&mut st)?;
         } else if !st.flushing {
