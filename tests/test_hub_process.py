@@ -46,8 +46,14 @@ class HubProcess:
             "--cert", str(pair.cert), "--key", str(pair.key), "--ca", str(pki.ca),
             "--peer", "node1", "--channel", "temps", "--out", str(self.out),
         ]  # fmt: skip
+        # Another interpreter must not see this one's PYTHONHOME/PYTHONPATH
+        # (under emulation they point at the ARM interpreter and wheel).
+        env = None
+        if os.environ.get("KEYOP_HUB_PYTHON"):
+            drop = ("PYTHONHOME", "PYTHONPATH")
+            env = {k: v for k, v in os.environ.items() if k not in drop}
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True, env=env
         )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
