@@ -21,6 +21,9 @@ UUID7_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-
 TS_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d*[1-9])?Z$")
 BASE_KEYS = ["v", "id", "ts", "channel", "origin", "payload_type"]
 
+#: The whole file runs on the ARM wheels too (.ci/arm-wheels).
+pytestmark = pytest.mark.arm
+
 
 def segment_name(start: int) -> str:
     return f"{start:020d}.jsonl"

@@ -110,6 +110,7 @@ def wait_cursor_at_end(data_dir: Path, channel: str, cursor_id: str) -> int:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.arm
 def test_client_publishes_to_hub_and_receives_hub_messages(
     pki: PKI, tmp_path: Path, start: Starter
 ) -> None:
@@ -145,6 +146,7 @@ def test_client_publishes_to_hub_and_receives_hub_messages(
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.arm
 def test_offline_catch_up_and_hub_restart(pki: PKI, tmp_path: Path, start: Starter) -> None:
     port = free_port()
     addr = f"127.0.0.1:{port}"

@@ -109,6 +109,7 @@ def envelope_overhead(channel: str, payload_type: str, ts_len: int) -> int:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.arm
 def test_publish_returns_uuid7_and_reads_back(messenger: Messenger) -> None:
     now = datetime.datetime.now(UTC)
     payload = {"message": "hot", "values": [1, 2.5, None, True], "nested": {"k": "v"}}
@@ -463,6 +464,7 @@ def test_context_is_per_thread(messenger: Messenger) -> None:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.arm
 def test_publish_batch_is_ordered_and_contiguous(messenger: Messenger) -> None:
     first = messenger.publish("batch", "t", "first")
     ids = messenger.publish_batch("batch", [("t", {"i": i}) for i in range(10)], service_name="svc")
@@ -738,6 +740,7 @@ def test_failed_roll_is_not_committed_and_later_publishes_work(tmp_path: Path) -
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.arm
 def test_relaxed_mode_publishes_are_readable_and_persist(tmp_path: Path) -> None:
     config = make_config(tmp_path, sync_interval_ms=20)
     with Messenger(config) as m:
@@ -809,6 +812,7 @@ def test_held_data_dir_raises_data_dir_locked_error(tmp_path: Path, config: Conf
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.arm
 def test_segments_roll_at_the_threshold(tmp_path: Path) -> None:
     blob = "s" * 10_000
     with Messenger(make_config(tmp_path, compaction_threshold_mb=1)) as m:

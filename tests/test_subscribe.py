@@ -198,6 +198,7 @@ class Reading:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.arm
 def test_message_fields_are_delivered(messenger: Messenger) -> None:
     messenger.register_payload_type("com.example.Reading", Reading)
     rec = Recorder()
@@ -253,6 +254,7 @@ def test_new_subscriber_starts_at_current_end(messenger: Messenger) -> None:
     assert [p["n"] for p in rec.payloads] == [3, 4]
 
 
+@pytest.mark.arm
 def test_returning_subscriber_resumes_where_it_left_off(messenger: Messenger) -> None:
     first = Recorder()
     sub = messenger.subscribe("ch", "s1", first)
@@ -271,6 +273,7 @@ def test_returning_subscriber_resumes_where_it_left_off(messenger: Messenger) ->
     assert second.ids == missed + barrier  # no duplicates, no gaps
 
 
+@pytest.mark.arm
 def test_resume_after_reopening_the_messenger(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, offset_flush_interval_ms=0)
     with Messenger(cfg) as m1:
@@ -293,6 +296,7 @@ def test_resume_after_reopening_the_messenger(tmp_path: Path) -> None:
     assert [p["n"] for p in rec1.payloads + rec2.payloads] == list(range(10))
 
 
+@pytest.mark.arm
 def test_offset_file_holds_offset_after_last_acknowledged_record(messenger: Messenger) -> None:
     rec = Recorder()
     messenger.subscribe("ch", "off", rec)

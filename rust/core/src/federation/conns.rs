@@ -93,7 +93,10 @@ impl Limits {
         if !ok || rl.rlim_cur == libc::RLIM_INFINITY {
             return Limits::default();
         }
-        Limits::for_nofile(rl.rlim_cur)
+        // rlim_t is u64 on 64-bit targets and u32 on 32-bit ones (armv7).
+        #[allow(clippy::useless_conversion)]
+        let nofile = u64::from(rl.rlim_cur);
+        Limits::for_nofile(nofile)
     }
 }
 
