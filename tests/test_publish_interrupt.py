@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -145,7 +146,12 @@ def test_a_receipt_of_a_failed_commit_raises_and_later_ones_commit(tmp_path: Pat
     with Messenger(config(tmp_path / "d")) as m:
         m.publish("c", "t", {"i": 0})
         m._engine._inject_fault("c", "sync", count=1, delay_ms=300)  # the next batch waits
+        syncs = m._engine._counters("c")["fsyncs"]
         first = m.publish("c", "t", {"i": 1}, wait=False)
+        deadline = time.monotonic() + 30
+        while m._engine._counters("c")["fsyncs"] == syncs:  # first's batch is in fdatasync
+            assert time.monotonic() < deadline, "the first batch never reached fdatasync"
+            time.sleep(0.001)
         m._engine._inject_fault("c", "sync", count=1)  # the batch queued behind it fails
         second = m.publish("c", "t", {"i": 2}, wait=False)
         first.wait(timeout=30)
@@ -200,13 +206,16 @@ def test_asyncio_publishes_complete_per_commit(tmp_path: Path) -> None:
 
     async def main() -> list[str]:
         loop = asyncio.get_running_loop()
-        real = loop.call_soon_threadsafe
+        real_add_reader = loop.add_reader
 
-        def counting(*args: object, **kwargs: object) -> object:
-            calls.append(1)
-            return real(*args, **kwargs)  # type: ignore[arg-type]
+        def counting_add_reader(fd: Any, callback: Any, *args: Any) -> None:
+            def counted(*a: Any) -> None:
+                calls.append(1)
+                callback(*a)
 
-        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+            real_add_reader(fd, counted, *args)
+
+        loop.add_reader = counting_add_reader  # type: ignore[method-assign]
         async with km.AsyncMessenger(config(tmp_path / "d")) as am:
             await am.publish("c", "t", {"warm": True})
             calls.clear()
@@ -221,8 +230,23 @@ def test_asyncio_publishes_complete_per_commit(tmp_path: Path) -> None:
     assert len(set(ids)) == 16 * 25
     got = [e.message.id for e in read_channel(tmp_path / "d", "c")][1:]
     assert sorted(got) == sorted(ids)
-    # One hand-over per commit, not per message: 16 tasks share commits.
+    # One wake-up of the loop per commit, not per message: 16 tasks share commits.
     assert 0 < len(calls) < len(ids) / 2, len(calls)
+
+
+def test_asyncio_close_completes_every_awaited_publish(tmp_path: Path) -> None:
+    async def main() -> list[str]:
+        am = km.AsyncMessenger(config(tmp_path / "d"))
+        await am.open()
+        await am.publish("c", "t", {"warm": True})
+        am._require()._engine._inject_fault("c", "sync", count=1, delay_ms=300)  # type: ignore[attr-defined]
+        pending = [asyncio.ensure_future(am.publish("c", "t", {"i": i})) for i in range(5)]
+        await asyncio.sleep(0.05)  # handed over, the commit stalled
+        await am.close()
+        return await asyncio.wait_for(asyncio.gather(*pending), 10)
+
+    ids = asyncio.run(main())
+    assert [e.message.id for e in read_channel(tmp_path / "d", "c")][1:] == ids
 
 
 def test_asyncio_publish_error_and_cancellation(tmp_path: Path) -> None:

@@ -261,6 +261,8 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         """A future of the running loop completed when ``receipt`` is."""
         loop = asyncio.get_running_loop()
         if self._completer is None or self._completer[0] is not loop:
+            if self._completer is not None:
+                self._completer[1].close()
             self._completer = (loop, _core.Completer(loop))
         future: asyncio.Future[str] = self._completer[1].watch(receipt)
         return future
@@ -359,6 +361,11 @@ class _AsyncBase(_AsyncContext, Generic[S]):
             await _finish(self._submit(self._close_sync, sync))
         finally:
             self._pool.shutdown(wait=False)
+            if self._completer is not None:
+                # Every outcome is known once the messenger closed: hand the
+                # last ones over, then stop watching.
+                self._completer[1].close()
+                self._completer = None
 
     # -- registration and publishing -----------------------------------------
 

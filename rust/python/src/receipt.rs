@@ -1,10 +1,13 @@
 //! Publishes that do not block: `publish(..., wait=False)` returns a
 //! [`Receipt`]; asyncio awaits receipts through a [`Completer`], which
-//! completes every future of one commit with one `call_soon_threadsafe`.
+//! completes every future of one commit with one wake-up of the loop.
 //! The blocking `publish` of Python's main thread also goes through a
 //! receipt, waiting in slices so Ctrl-C is honoured while a commit is slow.
 
 use std::cell::Cell;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -124,73 +127,82 @@ impl Receipt {
     }
 }
 
-/// Outcomes waiting for the event loop, and whether a drain is scheduled.
+/// Outcomes waiting for the event loop, and whether the loop was woken for
+/// them.
 type Queue = Mutex<(Vec<(Py<PyAny>, Result<String, Error>)>, bool)>;
 
-/// Completes asyncio futures of receipts on their event loop: every outcome
-/// of one commit is handed over with one ``loop.call_soon_threadsafe``.
+/// Completes asyncio futures of receipts on their event loop. The thread that
+/// commits a batch never takes the GIL for it: it queues the outcomes and
+/// writes one byte to a socket the loop watches (``loop.add_reader``), so
+/// every outcome of one commit is handed over with one wake-up, and a busy
+/// loop never holds up the next commit.
 #[pyclass(module = "keyop_messenger._core", name = "Completer", frozen)]
 pub struct Completer {
     event_loop: Py<PyAny>,
     queue: Arc<Queue>,
+    /// The loop reads this end (registered with `add_reader`).
+    wake_rx: UnixStream,
+    /// Committing threads write a byte here.
+    wake_tx: Arc<UnixStream>,
 }
 
 #[pymethods]
 impl Completer {
+    /// Registers with `event_loop` (call from the loop's thread).
     #[new]
-    fn new(event_loop: Py<PyAny>) -> Self {
-        Completer {
-            event_loop,
-            queue: Arc::default(),
-        }
+    fn new(py: Python<'_>, event_loop: Py<PyAny>) -> PyResult<Py<Self>> {
+        let (wake_rx, wake_tx) = UnixStream::pair()?;
+        wake_rx.set_nonblocking(true)?;
+        wake_tx.set_nonblocking(true)?;
+        let fd = wake_rx.as_raw_fd();
+        let this = Py::new(
+            py,
+            Completer {
+                event_loop,
+                queue: Arc::default(),
+                wake_rx,
+                wake_tx: Arc::new(wake_tx),
+            },
+        )?;
+        let drain = this.bind(py).getattr(intern!(py, "_drain"))?;
+        this.get()
+            .event_loop
+            .bind(py)
+            .call_method1(intern!(py, "add_reader"), (fd, drain))?;
+        Ok(this)
     }
 
     /// A future of this completer's loop that completes with the receipt's
     /// message id, or with its error. Call from the loop's thread.
-    fn watch(slf: &Bound<'_, Self>, receipt: &Receipt) -> PyResult<Py<PyAny>> {
-        let py = slf.py();
-        let this = slf.get();
-        let future = this
+    fn watch(&self, py: Python<'_>, receipt: &Receipt) -> PyResult<Py<PyAny>> {
+        let future = self
             .event_loop
             .bind(py)
             .call_method0(intern!(py, "create_future"))?
             .unbind();
         let fut = future.clone_ref(py);
-        let owner = slf.clone().unbind();
-        let queue = this.queue.clone();
+        let queue = self.queue.clone();
+        let wake = self.wake_tx.clone();
         receipt.sub.on_done(move |r| {
-            let schedule = {
+            let first = {
                 let mut q = queue.lock().unwrap_or_else(|e| e.into_inner());
                 q.0.push((fut, r.map(|p| p.id)));
                 !std::mem::replace(&mut q.1, true)
             };
-            if schedule {
-                Python::attach(|py| {
-                    let owner = owner.bind(py);
-                    let scheduled = owner.getattr(intern!(py, "_drain")).and_then(|drain| {
-                        owner
-                            .get()
-                            .event_loop
-                            .bind(py)
-                            .call_method1(intern!(py, "call_soon_threadsafe"), (drain,))
-                    });
-                    if let Err(e) = scheduled {
-                        // The loop is closed: nobody awaits these futures.
-                        log::debug!("publish outcomes not handed to a closed event loop: {e}");
-                        let mut q = owner.get().queue.lock().unwrap_or_else(|e| e.into_inner());
-                        q.0.clear();
-                        q.1 = false;
-                    }
-                });
+            // One byte per wake-up; a full socket means the loop is already
+            // due to drain. Dropping `fut` here (no GIL) defers its decref.
+            if first {
+                let _ = (&*wake).write(&[1]);
             }
-            // Otherwise a drain is already scheduled and takes this outcome
-            // too; dropping `owner` without the GIL defers its decref.
         });
         Ok(future)
     }
 
-    /// Runs on the loop: completes every future whose outcome arrived.
+    /// Runs on the loop when woken: completes every future whose outcome
+    /// arrived.
     fn _drain(&self, py: Python<'_>) -> PyResult<()> {
+        let mut sink = [0u8; 64];
+        while matches!((&self.wake_rx).read(&mut sink), Ok(n) if n > 0) {}
         let ready = {
             let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.1 = false;
@@ -207,5 +219,19 @@ impl Completer {
             };
         }
         Ok(())
+    }
+
+    /// Completes the futures whose outcomes arrived, then stops watching
+    /// (removes the loop's reader); outcomes arriving later are dropped with
+    /// their futures. Idempotent; a closed loop is fine.
+    fn close(&self, py: Python<'_>) {
+        if let Err(e) = self._drain(py) {
+            log::warn!("completing publish futures at close: {e}");
+        }
+        let fd = self.wake_rx.as_raw_fd();
+        let _ = self
+            .event_loop
+            .bind(py)
+            .call_method1(intern!(py, "remove_reader"), (fd,));
     }
 }

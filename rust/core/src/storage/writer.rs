@@ -696,33 +696,28 @@ impl ChannelWriter {
         Ok(durable)
     }
 
-    /// Stops accepting appends, waits for the batch in flight, and syncs.
-    /// Idempotent.
+    /// Stops accepting appends, commits the batch in flight and what is
+    /// queued behind it, and syncs. Idempotent.
     pub fn close(&self) {
         let mut st = self.lock();
         st.closed = true;
         self.arrived.notify_all();
         self.kick.notify_all();
-        while st.flushing {
-            st.waiters += 1;
-            st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
-            st.waiters -= 1;
+        loop {
+            while st.flushing {
+                st.waiters += 1;
+                st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+                st.waiters -= 1;
+            }
+            if st.pending.is_empty() {
+                break;
+            }
+            // Close flushes: what was queued before it (blocking appends and
+            // submits alike) is committed, or fails with the commit's error.
+            self.lead(st);
+            st = self.lock();
         }
-        // Appends queued behind a closed writer fail rather than hang.
-        if !st.pending.is_empty() {
-            let next = Self::fresh_slot(&mut st);
-            let slot = std::mem::replace(&mut st.slot, next);
-            st.pending.clear();
-            st.groups.clear();
-            drop(st);
-            slot.finish(Outcome {
-                batch_start: 0,
-                committed: 0,
-                error: Some(StorageError::Closed(self.channel.clone())),
-            });
-        } else {
-            drop(st);
-        }
+        drop(st);
         self.sync_if_dirty();
         // Release the segment file now, not when the last holder of this
         // writer lets go of it.

@@ -152,10 +152,10 @@ fn wait_timeout_returns_while_a_commit_stalls() {
     assert_eq!(inline.join().expect("thread").expect("append").offset, 5);
 }
 
-/// Close fails what is still queued, releases the file and ends the
-/// committer thread; a submit after close is refused.
+/// Close commits what is still queued (it flushes), releases the file and
+/// ends the committer thread; a submit after close is refused.
 #[test]
-fn close_ends_the_committer_and_fails_queued_submits() {
+fn close_commits_queued_submits_and_ends_the_committer() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let w = Arc::new(open_writer(tmp.path(), true));
     w.submit(b"a\n", 1)
@@ -170,11 +170,15 @@ fn close_ends_the_committer_and_fails_queued_submits() {
         std::thread::spawn(move || w.close())
     };
     std::thread::sleep(Duration::from_millis(50));
+    assert!(!queued.is_done(), "close waits for the batch in flight");
     w.lock().flushing = false;
     w.done.notify_all();
     closer.join().expect("close");
-    assert!(matches!(queued.wait(), Err(StorageError::Closed(_))));
+    assert_eq!(queued.wait().expect("committed by close").offset, 2);
     assert!(matches!(w.submit(b"c\n", 1), Err(StorageError::Closed(_))));
     assert!(w.committer.lock().expect("lock").is_none(), "joined");
     assert!(!w.lock().committer);
+    let text = std::fs::read_to_string(tmp.path().join("c").join(segment::segment_name(0)))
+        .expect("segment");
+    assert_eq!(text, "a\nb\n");
 }
