@@ -2,6 +2,8 @@
 //! peer against `hub.allowed_peers`, then runs a link that stores what the
 //! peer publishes and streams its subscribed channels from `fed-<peer>`
 //! cursors (the backlog is sent at once, not on the next append).
+//! why this file is long: accept, handshake, allowlist check, registration and
+//! reload are one admission protocol whose ordering matters; read it in one place.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
