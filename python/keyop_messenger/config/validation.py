@@ -181,20 +181,24 @@ def check_config(config: ConfigFields, problems: Problems) -> None:
             )
 
 
+def _check_listen_addr(problems: Problems, section: str, addr: str, enabled: bool) -> None:
+    """``<section>.listen_addr``: host:port, required when the section is enabled."""
+    key = f"{section}.listen_addr"
+    if not problems.usable(key):
+        return
+    if addr == "":
+        if enabled:
+            problems.add(key, f"required when {section}.enabled is true")
+    elif _split_host_port(addr) is None:
+        problems.add(key, f"must be host:port with a port between 0 and 65535, got {addr!r}")
+
+
 def _check_hub(config: ConfigFields, problems: Problems) -> None:
     if not problems.usable("hub"):
         return
     hub = config.hub
     enabled = problems.usable("hub.enabled") and hub.enabled
-    if problems.usable("hub.listen_addr"):
-        if hub.listen_addr == "":
-            if enabled:
-                problems.add("hub.listen_addr", "required when hub.enabled is true")
-        elif _split_host_port(hub.listen_addr) is None:
-            problems.add(
-                "hub.listen_addr",
-                f"must be host:port with a port between 0 and 65535, got {hub.listen_addr!r}",
-            )
+    _check_listen_addr(problems, "hub", hub.listen_addr, enabled)
     if problems.usable("hub.allowed_peers"):
         first_seen: dict[str, str] = {}
         for index, peer in enumerate(hub.allowed_peers):
@@ -280,15 +284,7 @@ def _check_gateway(config: ConfigFields, problems: Problems) -> None:
         return
     gw = config.gateway
     enabled = problems.usable("gateway.enabled") and gw.enabled
-    if problems.usable("gateway.listen_addr"):
-        if gw.listen_addr == "":
-            if enabled:
-                problems.add("gateway.listen_addr", "required when gateway.enabled is true")
-        elif _split_host_port(gw.listen_addr) is None:
-            problems.add(
-                "gateway.listen_addr",
-                f"must be host:port with a port between 0 and 65535, got {gw.listen_addr!r}",
-            )
+    _check_listen_addr(problems, "gateway", gw.listen_addr, enabled)
     if enabled and problems.usable("tls"):
         for name in ("cert", "key", "ca"):
             key = f"tls.{name}"

@@ -72,6 +72,12 @@ pub(crate) fn reader_gap(py: Python<'_>, channel: &str, from: u64, to: u64) -> P
     )
 }
 
+/// A configuration section handed over as JSON; `ConfigError` naming `what`
+/// if it does not parse.
+fn section<T: serde::de::DeserializeOwned>(py: Python<'_>, json: &str, what: &str) -> PyResult<T> {
+    serde_json::from_str(json).map_err(|e| new_err(py, Kind::Config, format!("{what}: {e}")))
+}
+
 /// `timeout_s` (seconds, None: the engine's default) as a duration.
 pub(crate) fn timeout_or(timeout_s: Option<f64>, default: Duration) -> PyResult<Duration> {
     match timeout_s {
@@ -702,10 +708,10 @@ impl PyEngine {
         peers_json: &str,
         tokens_json: &str,
     ) -> PyResult<()> {
-        let peers: Vec<keyop_core::federation::AllowedPeer> = serde_json::from_str(peers_json)
-            .map_err(|e| new_err(py, Kind::Config, format!("hub.allowed_peers: {e}")))?;
-        let tokens: Vec<keyop_core::gateway::TokenEntry> = serde_json::from_str(tokens_json)
-            .map_err(|e| new_err(py, Kind::Config, format!("gateway.tokens: {e}")))?;
+        let peers: Vec<keyop_core::federation::AllowedPeer> =
+            section(py, peers_json, "hub.allowed_peers")?;
+        let tokens: Vec<keyop_core::gateway::TokenEntry> =
+            section(py, tokens_json, "gateway.tokens")?;
         self.engine
             .with_gateway(|g| g.set_access(peers, tokens))
             .ok_or_else(|| keyop_core::Error::Config("the gateway is not running".into()))
@@ -726,8 +732,8 @@ impl PyEngine {
     /// connected peers disconnected because their entry went or changed.
     /// Raises FederationError when no hub is running.
     fn set_allowed_peers(&self, py: Python<'_>, peers_json: &str) -> PyResult<Vec<String>> {
-        let peers: Vec<keyop_core::federation::AllowedPeer> = serde_json::from_str(peers_json)
-            .map_err(|e| new_err(py, Kind::Config, format!("hub.allowed_peers: {e}")))?;
+        let peers: Vec<keyop_core::federation::AllowedPeer> =
+            section(py, peers_json, "hub.allowed_peers")?;
         py.detach(|| {
             self.engine
                 .with_federation(|f| f.hub().map(|h| h.set_allowed_peers(peers)))
@@ -741,8 +747,7 @@ impl PyEngine {
     /// connections; established ones keep theirs. Raises FederationError when
     /// a file does not load (the running TLS stays) or no federation runs.
     fn reload_tls(&self, py: Python<'_>, tls_json: &str) -> PyResult<()> {
-        let tls: keyop_core::federation::TlsSettings = serde_json::from_str(tls_json)
-            .map_err(|e| new_err(py, Kind::Config, format!("tls: {e}")))?;
+        let tls: keyop_core::federation::TlsSettings = section(py, tls_json, "tls")?;
         py.detach(|| {
             self.engine
                 .with_federation(|f| f.reload_tls(&tls))
