@@ -110,6 +110,52 @@ def test_published_batches_carry_their_ids(tmp_path: Path) -> None:
     assert [e.message.payload for e in stored] == [json.loads(p) for p in encoded.payloads()]
 
 
+def test_framed_batches_append_as_published_and_only_by_their_origin(tmp_path: Path) -> None:
+    """A data_dir task frames its records (ids, timestamps, checks) before it
+    takes the directory lock, then only appends them: the same records as a
+    publish, and only the instance named when framing may append them."""
+    encoder = RowEncoder(SCHEMA)
+    batch = sample()
+    columns = encoder.arrow_columns(batch)
+    assert columns is not None
+    payloads = _core.encode_columns("t", columns, batch.num_rows, id_prefix="j:1:", first_row=5)
+    framed = _core.frame_batch("n", "c", payloads, "svc", "corr-1")
+    assert (len(framed), framed.channel) == (batch.num_rows, "c")
+    assert (framed.first_id, framed.last_id) == ("j:1:5", f"j:1:{4 + batch.num_rows}")
+    with pytest.raises(km.InvalidNameError, match="channel"):
+        _core.frame_batch("n", "c.dead-letter", payloads)
+    with km.Messenger(
+        km.Config.from_dict({"name": "other", "storage": {"data_dir": str(tmp_path / "o")}})
+    ) as m, pytest.raises(km.InvalidNameError, match=r'origin "n" .* instance "other"'):
+        m._engine.publish_framed(framed)
+    with km.Messenger(
+        km.Config.from_dict({"name": "n", "storage": {"data_dir": str(tmp_path)}})
+    ) as m:
+        m._engine.publish_framed(framed)
+    stored = list(km.read_channel(tmp_path, "c"))
+    assert [e.message.id for e in stored] == [f"j:1:{5 + i}" for i in range(batch.num_rows)]
+    assert [e.message.payload for e in stored] == [json.loads(p) for p in payloads.payloads()]
+    assert {(e.message.origin, e.message.service_name, e.message.correlation_id)
+            for e in stored} == {("n", "svc", "corr-1")}  # fmt: skip
+
+
+def test_data_dir_write_frames_ahead_with_each_chunks_correlation_id(tmp_path: Path) -> None:
+    from keyop_messenger.spark.writer import WriteSpec, publish_arrow
+
+    schema = StructType([StructField("n", LongType())])
+    batches = [pa.RecordBatch.from_arrays([pa.array(range(10), pa.int64())], names=["n"])]
+    options = {"data_dir": str(tmp_path), "channel": "c", "payload_type": "t", "batch_size": "4",
+               "name": "writer-1", "service_name": "svc", "correlation_id": "run-7"}  # fmt: skip
+    commit = publish_arrow(WriteSpec.from_options(options, schema, streaming=False), batches, "j")
+    assert (commit.rows, commit.batches) == (10, 3)
+    assert (commit.first_id, commit.last_id) == ("j:0:0", "j:0:9")
+    stored = [e.message for e in km.read_channel(tmp_path, "c")]
+    assert [(m.id, m.payload["n"]) for m in stored] == [(f"j:0:{i}", i) for i in range(10)]
+    assert {(m.origin, m.service_name, m.correlation_id) for m in stored} == {
+        ("writer-1", "svc", "run-7")
+    }
+
+
 def read_schema(payload: Any) -> StructType:
     text = StringType()
     return StructType(

@@ -14,6 +14,7 @@ __all__ = [
     "Completer",
     "Engine",
     "EphemeralClient",
+    "FramedBatch",
     "Message",
     "MessengerBase",
     "PayloadBatch",
@@ -22,6 +23,7 @@ __all__ = [
     "Subscription",
     "__version__",
     "encode_columns",
+    "frame_batch",
     "inspect_cert",
     "keygen_ca",
     "keygen_instance",
@@ -217,6 +219,7 @@ class Engine:
         default: Callable[[Any], Any] | None = None,
         ids: list[str] | None = None,
     ) -> list[str]: ...
+    def publish_framed(self, batch: FramedBatch) -> None: ...
     def stream_end(self, channel: str) -> int: ...
     def resolve_position(self, channel: str, kind: str, value: int) -> int: ...
     def read(
@@ -306,6 +309,16 @@ class PayloadBatch:
     def payloads(self) -> list[str]: ...
 
 @final
+class FramedBatch:
+    def __len__(self) -> int: ...
+    @property
+    def channel(self) -> str: ...
+    @property
+    def first_id(self) -> str | None: ...
+    @property
+    def last_id(self) -> str | None: ...
+
+@final
 class ColumnIter:
     def __iter__(self) -> ColumnIter: ...
     def __next__(self) -> _ColumnRows: ...
@@ -369,6 +382,13 @@ def encode_columns(
     id_prefix: str | None = None,
     first_row: int = 0,
 ) -> PayloadBatch: ...
+def frame_batch(
+    origin: str,
+    channel: str,
+    batch: PayloadBatch,
+    service_name: str | None = None,
+    correlation_id: str | None = None,
+) -> FramedBatch: ...
 def resolve_position(data_dir: str | PathLike[str], channel: str, kind: str, value: int) -> int: ...
 def read_stats(data_dir: str | PathLike[str]) -> dict[str, Any]: ...
 def reset_log_cache() -> None: ...

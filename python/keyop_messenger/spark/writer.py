@@ -191,6 +191,10 @@ class _Target:
         """Publishes a ``_core.PayloadBatch`` (payloads and ids encoded by the engine)."""
         raise NotImplementedError
 
+    def publish_framed(self, batch: Any) -> None:
+        """Appends a ``_core.FramedBatch`` (records framed by :func:`_core.frame_batch`)."""
+        raise NotImplementedError
+
     def resume(self, channel: str, prefix: str) -> int:
         """Rows of the task whose ids start with ``prefix`` already committed
         by an earlier attempt (0 when the target cannot tell)."""
@@ -350,6 +354,9 @@ class _DirTarget(_Target):
         engine = self.messenger._engine
         return list(engine.publish_batch(channel, batch, service_name, correlation_id))
 
+    def publish_framed(self, batch: Any) -> None:
+        self.messenger._engine.publish_framed(batch)
+
     # Progress of a task: ``<data_dir>/spark-progress/<job>/<partition>.json``,
     # ``{"rows": n, "offset": o}``: ``n`` rows were committed and every later
     # record of the task is at or after the global offset ``o``. Written under
@@ -466,10 +473,17 @@ def _task_info() -> tuple[int, int, int | None, str | None]:
     )
 
 
+#: What publishing a chunk gives: (records, first id, last id).
+_Sent = tuple[int, "str | None", "str | None"]
+
 #: One chunk to publish: (index of its first row in the partition, rows,
 #: correlation id from ``correlation_id_column`` or None, publish function
-#: taking (target, correlation id, ids prefix) and returning the ids).
-_Chunk = tuple[int, int, "str | None", Callable[["_Target", "str | None", str], list[str]]]
+#: taking (target, correlation id, ids prefix)).
+_Chunk = tuple[int, int, "str | None", Callable[["_Target", "str | None", str], _Sent]]
+
+
+def _sent(ids: list[str]) -> _Sent:
+    return (len(ids), ids[0], ids[-1]) if ids else (0, None, None)
 
 
 def _dict_chunks(
@@ -485,10 +499,11 @@ def _dict_chunks(
             def send(
                 target: _Target, corr: str | None, prefix: str, first: int = first,
                 chunk: list[dict[str, Any]] = chunk,
-            ) -> list[str]:  # fmt: skip
+            ) -> _Sent:  # fmt: skip
                 items = [(spec.payload_type, p) for p in chunk]
                 wanted = [f"{prefix}{first + i}" for i in range(len(chunk))]
-                return target.publish_batch(spec.channel, items, spec.service_name, corr, wanted)
+                ids = target.publish_batch(spec.channel, items, spec.service_name, corr, wanted)
+                return _sent(ids)
 
             yield first, len(chunk), key, send
 
@@ -511,7 +526,7 @@ def _publish_chunks(
     chunks: Callable[[int], Iterator[_Chunk]],
     job: str | None = None,
     *,
-    ahead: Callable[[str, int], None] | None = None,
+    ahead: Callable[[str, int, Callable[[int, str | None], str | None]], None] | None = None,
 ) -> PartitionCommit:
     """Publishes this task's rows, given as ``chunks(skip)`` (the chunks after
     the first ``skip`` rows), as ``spec`` says; returns the task's commit
@@ -534,9 +549,20 @@ def _publish_chunks(
     auto_corr = (
         spec.streaming and spec.correlation_id is None and spec.correlation_id_column is None
     )
+
+    def corr_of(first: int, key: str | None) -> str | None:
+        """The correlation id of the chunk whose first row is ``first``."""
+        if spec.correlation_id_column is not None:
+            return key
+        if auto_corr:
+            index = first // spec.batch_size
+            return f"spark:{query_id or 'query'}:{batch_id}:{partition}:{index}"
+        return spec.correlation_id
+
     try:
         if any_rows and ahead is not None:
-            ahead(prefix, ENCODE_AHEAD_BYTES)  # before waiting for the target (a lock)
+            # Before waiting for the target (a lock), so tasks do this in parallel.
+            ahead(prefix, ENCODE_AHEAD_BYTES, corr_of)
         if any_rows:
             target = spec.target()
             commit.skipped = target.resume(spec.channel, prefix)
@@ -551,18 +577,11 @@ def _publish_chunks(
                 )
         for first, count, key, send in chunks(commit.skipped):
             assert target is not None
-            if spec.correlation_id_column is not None:
-                corr = key
-            elif auto_corr:
-                index = first // spec.batch_size
-                corr = f"spark:{query_id or 'query'}:{batch_id}:{partition}:{index}"
-            else:
-                corr = spec.correlation_id
-            ids = send(target, corr, prefix)
-            if ids:
-                commit.first_id = commit.first_id or ids[0]
-                commit.last_id = ids[-1]
-            commit.rows += len(ids)
+            sent, first_id, last_id = send(target, corr_of(first, key), prefix)
+            if sent:
+                commit.first_id = commit.first_id or first_id
+                commit.last_id = last_id
+            commit.rows += sent
             commit.batches += 1
             target.committed(spec.channel, prefix, first + count)
     except Exception as exc:
@@ -700,13 +719,17 @@ class _ArrowChunks:
     ends too), encoded by the engine; called with ``skip``, leaves out the
     first ``skip`` rows of the partition. :meth:`ahead` encodes chunks before
     the target is open (a chunk that turns out to straddle ``skip`` is
-    encoded again from there)."""
+    encoded again from there). For a data directory the chunks are framed
+    as records too (ids, timestamps, checks: :func:`_core.frame_batch`), so
+    that under the directory lock a task only appends."""
 
     def __init__(self, spec: WriteSpec, batches: Iterable[pa.RecordBatch]) -> None:
         self.spec = spec
+        self.framed = spec.data_dir is not None
         self.pieces = self._cut(iter(batches))
-        #: (first row, rows, columns, payloads encoded with ids of ``prefix``).
-        self.ready: list[tuple[int, int, list[Any], Any]] = []
+        #: (first row, rows, columns, correlation id, chunk encoded with ids
+        #: of ``prefix`` and that correlation id).
+        self.ready: list[tuple[int, int, list[Any], str | None, Any]] = []
         self.prefix: str | None = None
 
     def _cut(self, batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, int, list[Any], int]]:
@@ -724,16 +747,24 @@ class _ArrowChunks:
                 yield row + lo, size, columns, int(per_row * size)
             row += n
 
-    def _encode(self, columns: list[Any], size: int, prefix: str, first: int) -> Any:
+    def _encode(
+        self, columns: list[Any], size: int, prefix: str, first: int, corr: str | None
+    ) -> Any:
         from .. import _core
 
-        return _core.encode_columns(
-            self.spec.payload_type, columns, size, id_prefix=prefix, first_row=first
+        spec = self.spec
+        payloads = _core.encode_columns(
+            spec.payload_type, columns, size, id_prefix=prefix, first_row=first
         )
+        if not self.framed:
+            return payloads
+        return _core.frame_batch(spec.name, spec.channel, payloads, spec.service_name, corr)
 
-    def ahead(self, prefix: str, budget: int) -> None:
-        """Encodes chunks (ids of ``prefix``) until ``budget`` bytes of Arrow
-        data are encoded or the batches end."""
+    def ahead(
+        self, prefix: str, budget: int, corr_of: Callable[[int, str | None], str | None]
+    ) -> None:
+        """Encodes chunks (ids of ``prefix``, correlation ids by ``corr_of``)
+        until ``budget`` bytes of Arrow data are encoded or the batches end."""
         self.prefix = prefix
         used = 0
         while used < budget:
@@ -741,14 +772,15 @@ class _ArrowChunks:
             if piece is None:
                 return
             first, size, columns, nbytes = piece
-            self.ready.append((first, size, columns, self._encode(columns, size, prefix, first)))
+            corr = corr_of(first, None)
+            encoded = self._encode(columns, size, prefix, first, corr)
+            self.ready.append((first, size, columns, corr, encoded))
             used += nbytes
 
     def __call__(self, skip: int) -> Iterator[_Chunk]:
-        pending = [(f, n, c, e) for f, n, c, e in self.ready]
-        self.ready = []
-        rest = ((f, n, c, None) for f, n, c, _ in self.pieces)
-        for first, size, columns, encoded in itertools.chain(pending, rest):
+        pending, self.ready = self.ready, []
+        rest = ((f, n, c, None, None) for f, n, c, _ in self.pieces)
+        for first, size, columns, made_for, encoded in itertools.chain(pending, rest):
             if first + size <= skip:
                 continue
             if first < skip:  # straddles the resume point: encode from there
@@ -759,11 +791,15 @@ class _ArrowChunks:
             def send(
                 target: _Target, corr: str | None, prefix: str, first: int = first,
                 columns: list[Any] = columns, size: int = size, encoded: Any = encoded,
-            ) -> list[str]:  # fmt: skip
-                if encoded is None or prefix != self.prefix:
-                    encoded = self._encode(columns, size, prefix, first)
-                return target.publish_encoded(
-                    self.spec.channel, encoded, self.spec.service_name, corr
+                made_for: str | None = made_for,
+            ) -> _Sent:  # fmt: skip
+                if encoded is None or prefix != self.prefix or corr != made_for:
+                    encoded = self._encode(columns, size, prefix, first, corr)
+                if self.framed:
+                    target.publish_framed(encoded)
+                    return len(encoded), encoded.first_id, encoded.last_id
+                return _sent(
+                    target.publish_encoded(self.spec.channel, encoded, self.spec.service_name, corr)
                 )
 
             yield first, size, None, send

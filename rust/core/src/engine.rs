@@ -99,8 +99,68 @@ impl Submitted {
 /// The ids of a batch, each with its record's offset in the batch.
 pub type Ids = Vec<(String, u64)>;
 
-/// A batch ready to append: its writer, its records, their ids.
-type EncodedBatch = (Arc<ChannelWriter>, Vec<u8>, Ids);
+/// Records framed for one channel by one origin, ready to append: ids,
+/// timestamps and the valid-record checks are fixed when framed
+/// ([`frame_batch`]), so framing can run before the data directory is open
+/// (a Spark task frames while another holds the directory lock).
+pub struct Framed {
+    origin: String,
+    channel: String,
+    buf: Vec<u8>,
+    ids: Ids,
+}
+
+impl Framed {
+    /// The channel the records were framed for.
+    pub fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// The ids, each with its record's offset in the batch.
+    pub fn ids(&self) -> &Ids {
+        &self.ids
+    }
+}
+
+/// Frames `items` for `channel` as published by `origin` ([`encode_message_with_id`]
+/// each: new or `given` ids, the current time); all or none.
+pub fn frame_batch(
+    origin: &str,
+    channel: &str,
+    items: &[Outgoing<'_>],
+    given: Option<&[String]>,
+) -> Result<Framed, Error> {
+    validate_name(NameKind::PublishChannel, channel)?;
+    if let Some(given) = given {
+        if given.len() != items.len() {
+            return Err(Error::InvalidRecord(envelope::RecordError::Field {
+                field: "id",
+                value: format!("{} ids", given.len()),
+                reason: format!("one id per message is needed ({} messages)", items.len()),
+            }));
+        }
+    }
+    let mut buf = Vec::with_capacity(items.iter().map(|m| 200 + m.payload_json.len()).sum());
+    let mut ids = Vec::with_capacity(items.len());
+    // Given ids need no new ones: one clock reading stamps the whole batch.
+    let ts = given.map(|_| envelope::ts_now());
+    for (i, m) in items.iter().enumerate() {
+        let start = buf.len();
+        let id = match (given, &ts) {
+            (Some(g), Some(ts)) => {
+                encode_message_at(&mut buf, origin, channel, m, &g[i], ts.as_str())?
+            }
+            _ => encode_message_with_id(&mut buf, origin, channel, m, None)?,
+        };
+        ids.push((id, start as u64));
+    }
+    Ok(Framed {
+        origin: origin.to_owned(),
+        channel: channel.to_owned(),
+        buf,
+        ids,
+    })
+}
 
 /// Each id of a batch with its record's global offset, the batch starting
 /// at `offset`.
@@ -280,68 +340,66 @@ impl Engine {
         items: &[Outgoing<'_>],
         given: Option<&[String]>,
     ) -> Result<Vec<Published>, Error> {
-        let Some((writer, buf, ids)) = self.encode_batch(channel, items, given)? else {
+        self.publish_writer(channel)?;
+        if items.is_empty() {
             return Ok(Vec::new());
-        };
+        }
+        let framed = frame_batch(&self.origin, channel, items, given)?;
+        let offset = self.publish_framed(&framed)?;
+        Ok(placed(framed.ids, offset))
+    }
+
+    /// Appends records framed ahead ([`frame_batch`]) by this instance's
+    /// origin, as [`Engine::publish_batch`] does; returns the global offset
+    /// of the first (the end of the channel for an empty batch).
+    pub fn publish_framed(&self, framed: &Framed) -> Result<u64, Error> {
+        let writer = self.framed_writer(framed)?;
+        if framed.ids.is_empty() {
+            return Ok(writer.committed_end());
+        }
         let started = Instant::now();
-        let at = writer.append(&buf, items.len() as u64)?;
+        let at = writer.append(&framed.buf, framed.ids.len() as u64)?;
         self.stats.publish.record(started.elapsed());
         if let Some(seen) = self.seen.get() {
-            for (id, _) in &ids {
+            for (id, _) in &framed.ids {
                 seen.insert(id);
             }
         }
-        Ok(placed(ids, at.offset))
+        Ok(at.offset)
     }
 
-    /// [`Engine::publish_batch_with_ids`] handed to the channel's committer
-    /// thread: returns at once with the ids and a ticket of the batch's
-    /// outcome ([`Engine::submit`]); `None` for an empty batch.
-    pub fn submit_batch_with_ids(
-        &self,
-        channel: &str,
-        items: &[Outgoing<'_>],
-        given: Option<&[String]>,
-    ) -> Result<Option<(Ids, Ticket)>, Error> {
-        let Some((writer, buf, ids)) = self.encode_batch(channel, items, given)? else {
+    /// [`Engine::publish_framed`] handed to the channel's committer thread:
+    /// returns at once with the batch's ticket ([`Engine::submit`]); `None`
+    /// for an empty batch.
+    pub fn submit_framed(&self, framed: &Framed) -> Result<Option<Ticket>, Error> {
+        let writer = self.framed_writer(framed)?;
+        if framed.ids.is_empty() {
             return Ok(None);
+        }
+        let ticket = writer.submit(&framed.buf, framed.ids.len() as u64)?;
+        let seen_ids = match self.seen.get() {
+            Some(_) => framed.ids.iter().map(|(id, _)| id.clone()).collect(),
+            None => Vec::new(),
         };
-        let ticket = writer.submit(&buf, items.len() as u64)?;
-        self.on_commit(&ticket, ids.iter().map(|(id, _)| id.clone()).collect());
-        Ok(Some((ids, ticket)))
+        self.on_commit(&ticket, seen_ids);
+        Ok(Some(ticket))
     }
 
-    /// Encodes a batch for [`Engine::publish_batch_with_ids`]: the writer,
-    /// the records, and each id with its record's place in them. `None` for
-    /// an empty batch.
-    fn encode_batch(
-        &self,
-        channel: &str,
-        items: &[Outgoing<'_>],
-        given: Option<&[String]>,
-    ) -> Result<Option<EncodedBatch>, Error> {
-        let writer = self.publish_writer(channel)?;
-        if items.is_empty() {
-            return Ok(None);
+    /// The writer of a framed batch's channel, once the batch is known to
+    /// be this instance's (records carry their origin).
+    fn framed_writer(&self, framed: &Framed) -> Result<Arc<ChannelWriter>, Error> {
+        if framed.origin != self.origin {
+            return Err(Error::InvalidRecord(envelope::RecordError::Field {
+                field: "origin",
+                value: framed.origin.clone(),
+                reason: format!(
+                    "records framed for origin {:?} cannot be published by instance {:?}: \
+                     frame them with this instance's name",
+                    framed.origin, self.origin
+                ),
+            }));
         }
-        if let Some(given) = given {
-            if given.len() != items.len() {
-                return Err(Error::InvalidRecord(envelope::RecordError::Field {
-                    field: "id",
-                    value: format!("{} ids", given.len()),
-                    reason: format!("one id per message is needed ({} messages)", items.len()),
-                }));
-            }
-        }
-        let mut buf = Vec::with_capacity(items.iter().map(|m| 200 + m.payload_json.len()).sum());
-        let mut ids = Vec::with_capacity(items.len());
-        for (i, m) in items.iter().enumerate() {
-            let start = buf.len();
-            let id = given.map(|g| g[i].as_str());
-            let id = encode_message_with_id(&mut buf, &self.origin, channel, m, id)?;
-            ids.push((id, start as u64));
-        }
-        Ok(Some((writer, buf, ids)))
+        self.publish_writer(&framed.channel)
     }
 
     /// A reader of `channel` from global offset `from`, and the channel's
@@ -916,12 +974,28 @@ pub fn encode_message_with_id(
     m: &Outgoing<'_>,
     id: Option<&str>,
 ) -> Result<String, Error> {
-    let stamp = Stamp::now();
-    let id = id.unwrap_or(stamp.id());
+    match id {
+        Some(id) => encode_message_at(out, origin, channel, m, id, envelope::ts_now().as_str()),
+        None => {
+            let stamp = Stamp::now();
+            encode_message_at(out, origin, channel, m, stamp.id(), stamp.ts())
+        }
+    }
+}
+
+/// [`encode_message_with_id`] with the id and timestamp given.
+fn encode_message_at(
+    out: &mut Vec<u8>,
+    origin: &str,
+    channel: &str,
+    m: &Outgoing<'_>,
+    id: &str,
+    ts: &str,
+) -> Result<String, Error> {
     let before = out.len();
     let header = Header {
         id,
-        ts: stamp.ts(),
+        ts,
         channel,
         origin,
         payload_type: m.payload_type,

@@ -448,9 +448,18 @@ pub fn format_ts(t: SystemTime) -> String {
         .to_owned()
 }
 
+/// The current time as a record's `ts` ([`format_ts`]): for records whose
+/// ids are given, which need no new id.
+pub fn ts_now() -> TsBuf {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    TsBuf::new(since.as_secs(), since.subsec_nanos())
+}
+
 /// A formatted timestamp: `YYYY-MM-DDTHH:MM:SS[.fraction]Z`, at most 30 bytes.
 #[derive(Clone, Copy)]
-struct TsBuf {
+pub struct TsBuf {
     buf: [u8; 30],
     len: u8,
 }
@@ -493,7 +502,8 @@ impl TsBuf {
         }
     }
 
-    fn as_str(&self) -> &str {
+    /// The timestamp's text.
+    pub fn as_str(&self) -> &str {
         std::str::from_utf8(&self.buf[..usize::from(self.len)]).expect("ASCII timestamp")
     }
 }

@@ -20,7 +20,8 @@ pub mod storage;
 pub mod subscribe;
 
 pub use engine::{
-    read_channel, read_channel_stats, resolve_position, Engine, Outgoing, Published, Submitted,
+    frame_batch, read_channel, read_channel_stats, resolve_position, Engine, Framed, Outgoing,
+    Published, Submitted,
 };
 pub use envelope::{Envelope, NameError, NameKind};
 pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};

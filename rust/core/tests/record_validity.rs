@@ -184,3 +184,75 @@ fn local_publish_refuses_invalid_records_before_writing() {
     ));
     assert_eq!(engine.store().writer("temps").unwrap().committed_end(), 0);
 }
+
+/// Records framed ahead (`frame_batch`, before the data directory is open)
+/// are checked as a publish checks them, and only their own instance may
+/// append them: they carry its name as their origin.
+#[test]
+fn framed_batches_are_checked_when_framed_and_appended_only_by_their_origin() {
+    use keyop_core::{frame_batch, Envelope};
+    let item = |payload: &'static str| Outgoing {
+        payload_type: "t",
+        payload_json: payload.as_bytes(),
+        service_name: Some("svc"),
+        correlation_id: None,
+    };
+    let deep = nested(MAX_PAYLOAD_DEPTH + 1);
+    let too_deep = Outgoing {
+        payload_json: deep.as_bytes(),
+        ..item("{}")
+    };
+    assert!(matches!(
+        frame_batch("node1", "temps", &[item("{}"), too_deep], None),
+        Err(Error::InvalidRecord(RecordError::TooDeep))
+    ));
+    assert!(matches!(
+        frame_batch("node1", "bad/channel", &[item("{}")], None),
+        Err(Error::InvalidName(_))
+    ));
+    let one_id = ["a".to_owned()];
+    assert!(frame_batch("node1", "temps", &[item("{}"), item("{}")], Some(&one_id)).is_err());
+
+    let dir = tempfile::tempdir().unwrap();
+    let engine = keyop_core::Engine::open(
+        keyop_core::StoreConfig {
+            data_dir: dir.path().to_owned(),
+            sync_interval_ms: 0,
+            segment_bytes: 0,
+        },
+        "node1",
+    )
+    .unwrap();
+    let ids = ["job:0:0".to_owned(), "job:0:1".to_owned()];
+    let foreign = frame_batch("node2", "temps", &[item("{\"a\":1}")], None).unwrap();
+    let e = engine.publish_framed(&foreign).unwrap_err();
+    assert!(e.to_string().contains("node2"), "{e}");
+    assert_eq!(engine.store().writer("temps").unwrap().committed_end(), 0);
+
+    let framed = frame_batch(
+        "node1",
+        "temps",
+        &[item("{\"a\":1}"), item("[2]")],
+        Some(&ids),
+    )
+    .unwrap();
+    assert_eq!(engine.publish_framed(&framed).unwrap(), 0);
+    let end = engine.store().writer("temps").unwrap().committed_end();
+    let (mut reader, _) = engine.read("temps", 0).unwrap();
+    let mut got = Vec::new();
+    while let Some(item) = reader.next_item(end).unwrap() {
+        if let keyop_core::storage::Item::Record { line, .. } = item {
+            got.push(Envelope::decode(&line).unwrap());
+        }
+    }
+    let ids_read: Vec<_> = got.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids_read, ["job:0:0", "job:0:1"]);
+    assert!(got
+        .iter()
+        .all(|e| e.origin == "node1" && e.channel == "temps"));
+    assert_eq!(
+        got[0].ts_nanos, got[1].ts_nanos,
+        "one clock reading per batch of given ids"
+    );
+    assert_eq!(framed.ids().len(), 2);
+}

@@ -57,6 +57,72 @@ impl PayloadBatch {
     }
 }
 
+/// Records framed from a `PayloadBatch` by `frame_batch`: ids, timestamps
+/// and the valid-record checks fixed, ready for `Engine.publish_framed`.
+/// Framing is most of a batch's publishing work; done before the data
+/// directory is open, it runs in parallel with another process holding it.
+#[pyclass(module = "keyop_messenger._core", frozen)]
+pub struct FramedBatch {
+    pub framed: keyop_core::Framed,
+}
+
+#[pymethods]
+impl FramedBatch {
+    fn __len__(&self) -> usize {
+        self.framed.ids().len()
+    }
+
+    /// The channel the records were framed for.
+    #[getter]
+    fn channel(&self) -> &str {
+        self.framed.channel()
+    }
+
+    /// The first record's id (None for an empty batch).
+    #[getter]
+    fn first_id(&self) -> Option<&str> {
+        self.framed.ids().first().map(|(id, _)| id.as_str())
+    }
+
+    /// The last record's id (None for an empty batch).
+    #[getter]
+    fn last_id(&self) -> Option<&str> {
+        self.framed.ids().last().map(|(id, _)| id.as_str())
+    }
+}
+
+/// Frames `batch` as records of `channel` published by the instance named
+/// `origin` (with the batch's ids, if it has them, else new ones), for
+/// `Engine.publish_framed` of that instance. Raises what publishing the
+/// batch would (invalid names or fields, a record over the size limit).
+#[pyfunction]
+#[pyo3(signature = (origin, channel, batch, service_name = None, correlation_id = None))]
+pub fn frame_batch(
+    py: Python<'_>,
+    origin: &str,
+    channel: &str,
+    batch: &PayloadBatch,
+    service_name: Option<&str>,
+    correlation_id: Option<&str>,
+) -> PyResult<FramedBatch> {
+    let framed = py
+        .detach(|| {
+            let msgs: Vec<keyop_core::Outgoing<'_>> = batch
+                .pairs()
+                .into_iter()
+                .map(|(payload_type, payload_json)| keyop_core::Outgoing {
+                    payload_type,
+                    payload_json,
+                    service_name,
+                    correlation_id,
+                })
+                .collect();
+            keyop_core::frame_batch(origin, channel, &msgs, batch.ids.as_deref())
+        })
+        .py_err(py)?;
+    Ok(FramedBatch { framed })
+}
+
 type ColumnSpec<'py> = (
     String,
     String,

@@ -359,6 +359,30 @@ impl MessengerBase {
     }
 }
 
+impl PyEngine {
+    /// Appends framed records, as durable or relaxed as the instance: from
+    /// the main thread a durable commit is waited for in slices, so Ctrl-C
+    /// interrupts it (as in `send`).
+    fn publish_framed(&self, py: Python<'_>, framed: &keyop_core::Framed) -> PyResult<()> {
+        if self.engine.durable() && receipt::on_main_thread(py)? {
+            let ticket = py
+                .detach(|| self.engine.submit_framed(framed))
+                .py_err(py)?;
+            if let Some(ticket) = ticket {
+                receipt::wait_slices(py, None, |slice| {
+                    ticket
+                        .wait_timeout(slice)
+                        .map(|r| r.map_err(keyop_core::Error::from))
+                })?;
+            }
+            return Ok(());
+        }
+        py.detach(|| self.engine.publish_framed(framed))
+            .py_err(py)?;
+        Ok(())
+    }
+}
+
 #[pymethods]
 impl PyEngine {
     #[new]
@@ -420,31 +444,19 @@ impl PyEngine {
                 correlation_id,
             })
             .collect();
-        if self.engine.durable() && receipt::on_main_thread(py)? {
-            // Interruptible by Ctrl-C while the commit is slow (see `send`).
-            let submitted = py
-                .detach(|| {
-                    self.engine
-                        .submit_batch_with_ids(channel, &msgs, ids.as_deref())
-                })
-                .py_err(py)?;
-            let Some((ids, ticket)) = submitted else {
-                return Ok(Vec::new());
-            };
-            receipt::wait_slices(py, None, |slice| {
-                ticket
-                    .wait_timeout(slice)
-                    .map(|r| r.map_err(keyop_core::Error::from))
-            })?;
-            return Ok(ids.into_iter().map(|(id, _)| id).collect());
-        }
-        let published = py
-            .detach(|| {
-                self.engine
-                    .publish_batch_with_ids(channel, &msgs, ids.as_deref())
-            })
+        let origin = self.engine.origin();
+        let framed = py
+            .detach(|| keyop_core::frame_batch(origin, channel, &msgs, ids.as_deref()))
             .py_err(py)?;
-        Ok(published.into_iter().map(|p| p.id).collect())
+        self.publish_framed(py, &framed)?;
+        Ok(framed.ids().iter().map(|(id, _)| id.clone()).collect())
+    }
+
+    /// Appends records framed ahead by `frame_batch` for this instance,
+    /// with one write and one fsync, all or none, as `publish_batch` does.
+    #[pyo3(name = "publish_framed")]
+    fn py_publish_framed(&self, py: Python<'_>, batch: &columns::FramedBatch) -> PyResult<()> {
+        self.publish_framed(py, &batch.framed)
     }
 
     /// Committed end (global byte offset) of `channel`.
@@ -1695,8 +1707,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<receipt::Completer>()?;
     m.add_function(wrap_pyfunction!(read_channel, m)?)?;
     m.add_class::<columns::PayloadBatch>()?;
+    m.add_class::<columns::FramedBatch>()?;
     m.add_class::<columns::ColumnIter>()?;
     m.add_function(wrap_pyfunction!(columns::encode_columns, m)?)?;
+    m.add_function(wrap_pyfunction!(columns::frame_batch, m)?)?;
     m.add_function(wrap_pyfunction!(columns::read_columns, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_position, m)?)?;
     m.add_function(wrap_pyfunction!(read_stats, m)?)?;
