@@ -1,5 +1,6 @@
 """``keyop-messenger bench --spark`` runs end to end (tiny, in a child process
-with its own Spark session) and reports both ratios and their ceilings as
+with its own Spark sessions) on ``local[2]`` and on a local standalone cluster
+it starts and ends, and reports both ratios and their ceilings for each as
 JSON keys. A smoke test: the figures themselves belong to the bench."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ KEYS = (
 )
 
 
-def test_bench_spark_reports_both_ratios() -> None:
+def test_bench_spark_reports_both_ratios_locally_and_on_a_standalone_cluster() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "keyop_messenger", "bench", "--spark", "--spark-rows", "3000",
          "--quick", "--json"],
@@ -28,6 +29,13 @@ def test_bench_spark_reports_both_ratios() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    assert figures["spark_rows"] == 3000
+    assert figures["spark_rows"] == figures["spark_standalone_rows"] == 3000
+    assert (figures["spark_master"], figures["spark_standalone_master"]) == (
+        "local[2]", "standalone"
+    )
     for key in KEYS:
         assert figures[key] > 0, key
+        assert figures[key.replace("spark_", "spark_standalone_", 1)] > 0, key
+    # Every process of the cluster was ended with the bench.
+    leftover = subprocess.run(["pgrep", "-f", "org.apache.spark.deploy"], capture_output=True)
+    assert leftover.stdout == b"", leftover.stdout

@@ -927,7 +927,12 @@ def main(argv: list[str] | None = None) -> int:
         "files on the same rows (needs pyspark and Java)",
     )
     ap.add_argument("--spark-rows", type=int, default=2_000_000, help="rows of --spark")
-    ap.add_argument("--spark-master", default="local[2]", help="Spark master of --spark")
+    ap.add_argument(
+        "--spark-master",
+        default="local[2],standalone",
+        help="Spark masters of --spark, comma-separated; 'standalone' starts a local "
+        "standalone cluster of two one-core workers (default: local[2],standalone)",
+    )
     # Internal: the child process of --one-core.
     ap.add_argument("--pinned", metavar="CPUS", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -939,7 +944,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.spark:
         from .spark import bench as spark_bench
 
-        results = spark_bench.run(args.spark_rows, args.spark_master, 1 if args.quick else 3)
+        masters = [m.strip() for m in args.spark_master.split(",") if m.strip()]
+        results = spark_bench.run_masters(args.spark_rows, masters, 1 if args.quick else 3)
         rows = spark_bench.rows_of(results)
     else:
         results, rows = run(args.quick, args.one_core)

@@ -21,11 +21,17 @@ taking turns in every round; ratios are ``json seconds / keyop seconds``
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -108,8 +114,104 @@ def _sources() -> tuple[type, type]:
     return Sink, Source
 
 
+#: The master of :func:`run` that starts a local standalone cluster first.
+STANDALONE = "standalone"
+
+#: How long the standalone cluster's master and workers may take to start.
+CLUSTER_START_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def standalone_cluster(workers: int = 2, cores: int = 1) -> Iterator[str]:
+    """A Spark standalone cluster on 127.0.0.1 for the duration of the
+    block: a master and ``workers`` workers of ``cores`` cores each, each a
+    JVM started from pyspark's own jars (``spark-class``), their Python
+    workers this interpreter. Yields the master URL; ends every process."""
+    import pyspark
+
+    home = Path(pyspark.__file__).parent
+    spark_class = str(home / "bin" / "spark-class")
+    env = dict(
+        os.environ,
+        SPARK_HOME=str(home),
+        SPARK_LOCAL_IP="127.0.0.1",
+        PYSPARK_PYTHON=sys.executable,
+        SPARK_NO_DAEMONIZE="1",
+    )
+    port, ui = _free_port(), _free_port()
+    url = f"spark://127.0.0.1:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="keyop-spark-cluster-") as tmp:
+        log = open(Path(tmp) / "cluster.log", "wb")  # closed in the finally below
+
+        def start(*args: str) -> None:
+            procs.append(subprocess.Popen(
+                [spark_class, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                cwd=tmp, start_new_session=True,
+            ))  # fmt: skip
+
+        def alive_workers() -> int:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as r:
+                return int(json.load(r).get("aliveworkers", 0))
+
+        try:
+            start("org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                  "--port", str(port), "--webui-port", str(ui))  # fmt: skip
+            for i in range(workers):
+                start("org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+                      "--cores", str(cores), "--memory", "2g",
+                      "--webui-port", str(_free_port()), "--work-dir", f"{tmp}/work{i}",
+                      url)  # fmt: skip
+            deadline = time.monotonic() + CLUSTER_START_S
+            while True:
+                if any(p.poll() is not None for p in procs):
+                    raise RuntimeError(_cluster_failed(tmp, "a process of it exited"))
+                try:
+                    if alive_workers() == workers:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(_cluster_failed(tmp, f"not up in {CLUSTER_START_S:g} s"))
+                time.sleep(0.5)
+            yield url
+        finally:
+            for p in reversed(procs):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            log.close()
+
+
+def _cluster_failed(tmp: str, why: str) -> str:
+    text = (Path(tmp) / "cluster.log").read_text(errors="replace")
+    return f"the Spark standalone cluster did not start ({why}):\n{text[-3000:]}"
+
+
 def run(rows: int = 2_000_000, master: str = "local[2]", runs: int = 3) -> dict[str, Any]:
-    """Runs the Spark figures; returns them by JSON key (seconds, rows/s and ratios)."""
+    """Runs the Spark figures on ``master`` (:data:`STANDALONE`: a local
+    standalone cluster of two one-core workers, started and ended here);
+    returns them by JSON key (seconds, rows/s and ratios)."""
+    if master == STANDALONE:
+        with standalone_cluster() as url:
+            out = _run(rows, url, runs)
+        out["spark_master"] = STANDALONE
+        return out
+    return _run(rows, master, runs)
+
+
+def _run(rows: int, master: str, runs: int) -> dict[str, Any]:
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
@@ -119,6 +221,8 @@ def run(rows: int = 2_000_000, master: str = "local[2]", runs: int = 3) -> dict[
     spark = (
         SparkSession.builder.master(master)
         .appName("keyop-bench-spark")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -217,14 +321,40 @@ def run(rows: int = 2_000_000, master: str = "local[2]", runs: int = 3) -> dict[
     return out
 
 
+#: The masters ``keyop-messenger bench --spark`` measures by default.
+DEFAULT_MASTERS = ("local[2]", STANDALONE)
+
+
+def run_masters(rows: int, masters: list[str], runs: int) -> dict[str, Any]:
+    """:func:`run` on each master in turn. The first master's figures keep
+    their keys (``spark_write_ratio``, ...); a later one's are prefixed
+    ``spark_standalone_`` (the local standalone cluster) or ``spark_cluster_``
+    (any other master), ``spark_<label>_masters`` naming it."""
+    out: dict[str, Any] = {}
+    for i, master in enumerate(masters):
+        figures = run(rows, master, runs)
+        if i == 0:
+            out.update(figures)
+            continue
+        label = "standalone" if master == STANDALONE else "cluster"
+        out.update({f"spark_{label}_{k[len('spark_'):]}": v for k, v in figures.items()})
+    return out
+
+
 def rows_of(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """The table rows of :func:`run`'s figures."""
-    f = figures
-    return [
-        ("spark write: keyop data_dir (rows/s)", f"{f['spark_write_rows_per_s']:,.0f}",
-         f"{f['spark_write_ratio']:.2f} x df.write.json "
-         f"(ceiling {f['spark_write_ceiling_ratio']:.2f}: a Python writer doing nothing)"),
-        ("spark read: keyop payload_schema (rows/s)", f"{f['spark_read_rows_per_s']:,.0f}",
-         f"{f['spark_read_ratio']:.2f} x spark.read.json "
-         f"(ceiling {f['spark_read_ceiling_ratio']:.2f}: a Python reader doing nothing)"),
-    ]  # fmt: skip
+    """The table rows of :func:`run_masters`'s figures, one pair per master."""
+    rows: list[tuple[str, str, str]] = []
+    for prefix in ("spark_", "spark_standalone_", "spark_cluster_"):
+        f = {k[len(prefix):]: v for k, v in figures.items() if k.startswith(prefix)}
+        if "write_ratio" not in f:
+            continue
+        on = f" [{f['master']}]"
+        rows += [
+            ("spark write: keyop data_dir (rows/s)" + on, f"{f['write_rows_per_s']:,.0f}",
+             f"{f['write_ratio']:.2f} x df.write.json "
+             f"(ceiling {f['write_ceiling_ratio']:.2f}: a Python writer doing nothing)"),
+            ("spark read: keyop payload_schema (rows/s)" + on, f"{f['read_rows_per_s']:,.0f}",
+             f"{f['read_ratio']:.2f} x spark.read.json "
+             f"(ceiling {f['read_ceiling_ratio']:.2f}: a Python reader doing nothing)"),
+        ]  # fmt: skip
+    return rows
