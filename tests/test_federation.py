@@ -223,7 +223,10 @@ def test_hub_sends_backlog_right_after_reconnect(pki: PKI, tmp_path: Path, start
     client = start(cfg)
     client.subscribe("cmds", "app", Inbox())
     wait_peers(hub, "node1")
-    assert read_cursor(cursor_path(hub_dir, "cmds", "fed-node1")) == 0
+    # The hub lists the peer before it has set up the peer's subscription.
+    cursor = cursor_path(hub_dir, "cmds", "fed-node1")
+    wait_until(lambda: read_cursor(cursor) is not None, "the hub's cursor of node1's subscription")
+    assert read_cursor(cursor) == 0
     client.close()
     wait_peers(hub)
 
@@ -538,6 +541,7 @@ def test_cursor_files_follow_delivery(pki: PKI, tmp_path: Path, start: Starter, 
     )
     wait_peers(hub, "node1")
     fed = cursor_path(hub_dir, "cmds", "fed-node1")
+    wait_until(lambda: read_cursor(fed) is not None, "the hub's cursor of node1's subscription")
     assert read_cursor(fed) == stream_end(hub_dir, "cmds") > 0, "created at the stream end"
 
     publish_n(client, "temps", 5)
