@@ -317,7 +317,6 @@ class _DirTarget(_Target):
         self.data_dir = data_dir
         config = Config.from_dict({"name": name, "storage": {"data_dir": data_dir, **storage}})
         deadline = time.monotonic() + lock_timeout_s
-        delay = 0.02
         while True:
             try:
                 self.messenger = Messenger(config)
@@ -329,8 +328,9 @@ class _DirTarget(_Target):
                         "data_dir option tasks take turns, so coalesce the DataFrame or "
                         "raise lock_timeout_s)"
                     ) from exc
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            # Another task appends for well under a second per million rows:
+            # a short, fixed poll takes the lock soon after it is released.
+            time.sleep(LOCK_POLL_S)
 
     def publish_batch(
         self,
@@ -438,6 +438,9 @@ def _chunks(
     if chunk:
         yield first, chunk, key
 
+
+#: How often a data_dir task tries the directory lock while another task holds it.
+LOCK_POLL_S = 0.01
 
 #: Folder of a data directory where data_dir writes keep their progress.
 PROGRESS_DIR = "spark-progress"
