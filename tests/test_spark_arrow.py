@@ -110,33 +110,53 @@ def test_published_batches_carry_their_ids(tmp_path: Path) -> None:
     assert [e.message.payload for e in stored] == [json.loads(p) for p in encoded.payloads()]
 
 
-def test_framed_batches_append_as_published_and_only_by_their_origin(tmp_path: Path) -> None:
-    """A data_dir task frames its records (ids, timestamps, checks) before it
-    takes the directory lock, then only appends them: the same records as a
-    publish, and only the instance named when framing may append them."""
-    encoder = RowEncoder(SCHEMA)
-    batch = sample()
-    columns = encoder.arrow_columns(batch)
+def test_records_encoded_in_one_pass_store_what_a_publish_stores(tmp_path: Path) -> None:
+    """``encode_records`` frames each payload straight into its record (a
+    data_dir task does this before it takes the directory lock, then only
+    appends): the records a ``publish_batch`` of the same payloads stores,
+    the same checks, and only the instance named as origin may append them."""
+    columns = RowEncoder(SCHEMA).arrow_columns(sample().slice(3, 30))
     assert columns is not None
-    payloads = _core.encode_columns("t", columns, batch.num_rows, id_prefix="j:1:", first_row=5)
-    framed = _core.frame_batch("n", "c", payloads, "svc", "corr-1")
-    assert (len(framed), framed.channel) == (batch.num_rows, "c")
-    assert (framed.first_id, framed.last_id) == ("j:1:5", f"j:1:{4 + batch.num_rows}")
+    framed = _core.encode_records("t", columns, 30, origin="n", channel="c", id_prefix="j:2:",
+                                  first_row=7, service_name="svc", correlation_id="k")  # fmt: skip
+    assert (len(framed), framed.channel, framed.first_id, framed.last_id) == (
+        30, "c", "j:2:7", "j:2:36"
+    )
+    payloads = _core.encode_columns("t", columns, 30, id_prefix="j:2:", first_row=7)
+    config = {"name": "n", "storage": {"data_dir": str(tmp_path / "framed")}}
+    with km.Messenger(km.Config.from_dict(config)) as m:
+        m._engine.publish_framed(framed)
+    config = {"name": "n", "storage": {"data_dir": str(tmp_path / "published")}}
+    with km.Messenger(km.Config.from_dict(config)) as m:
+        m._engine.publish_batch("c", payloads, "svc", "k")
+
+    def fields(name: str) -> list[tuple[Any, ...]]:
+        return [(e.message.id, e.message.origin, e.message.channel, e.message.payload_type,
+                 e.message.service_name, e.message.correlation_id, e.message.payload)
+                for e in km.read_channel(tmp_path / name, "c")]  # fmt: skip
+
+    assert fields("framed") == fields("published")
+    assert [f[0] for f in fields("framed")] == [f"j:2:{7 + i}" for i in range(30)]
+
+    config = {"name": "other", "storage": {"data_dir": str(tmp_path / "other")}}
+    with km.Messenger(km.Config.from_dict(config)) as m, pytest.raises(
+        km.InvalidNameError, match=r'origin "n" .* instance "other"'
+    ):
+        m._engine.publish_framed(framed)
     with pytest.raises(km.InvalidNameError, match="channel"):
-        _core.frame_batch("n", "c.dead-letter", payloads)
-    with km.Messenger(
-        km.Config.from_dict({"name": "other", "storage": {"data_dir": str(tmp_path / "o")}})
-    ) as m, pytest.raises(km.InvalidNameError, match=r'origin "n" .* instance "other"'):
-        m._engine.publish_framed(framed)
-    with km.Messenger(
-        km.Config.from_dict({"name": "n", "storage": {"data_dir": str(tmp_path)}})
-    ) as m:
-        m._engine.publish_framed(framed)
-    stored = list(km.read_channel(tmp_path, "c"))
-    assert [e.message.id for e in stored] == [f"j:1:{5 + i}" for i in range(batch.num_rows)]
-    assert [e.message.payload for e in stored] == [json.loads(p) for p in payloads.payloads()]
-    assert {(e.message.origin, e.message.service_name, e.message.correlation_id)
-            for e in stored} == {("n", "svc", "corr-1")}  # fmt: skip
+        _core.encode_records("t", columns, 1, origin="n", channel="c.dead-letter", id_prefix="j:")
+    with pytest.raises(km.InvalidNameError, match="id"):
+        _core.encode_records("t", columns, 1, origin="n", channel="c", id_prefix="bad id ")
+    with pytest.raises(km.InvalidNameError, match="id"):
+        _core.encode_records("t", columns, 1, origin="n", channel="c", id_prefix="x" * 65)
+    with pytest.raises(km.InvalidNameError, match="payload_type"):
+        _core.encode_records("t\n", columns, 1, origin="n", channel="c", id_prefix="j:")
+    big = pa.RecordBatch.from_arrays([pa.array(["x" * _core.MAX_RECORD_BYTES])], names=["s"])
+    big_columns = RowEncoder(StructType([StructField("s", StringType())])).arrow_columns(big)
+    assert big_columns is not None
+    with pytest.raises(km.MessageTooLargeError):
+        _core.encode_records("t", big_columns, 1, origin="n", channel="c", id_prefix="j:")
+    assert not (tmp_path / "other" / "channels" / "c").exists()
 
 
 def test_data_dir_write_frames_ahead_with_each_chunks_correlation_id(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ __all__ = [
     "Subscription",
     "__version__",
     "encode_columns",
-    "frame_batch",
+    "encode_records",
     "inspect_cert",
     "keygen_ca",
     "keygen_instance",
@@ -382,10 +382,15 @@ def encode_columns(
     id_prefix: str | None = None,
     first_row: int = 0,
 ) -> PayloadBatch: ...
-def frame_batch(
+def encode_records(
+    payload_type: str,
+    columns: Sequence[_ColumnSpec],
+    rows: int,
+    *,
     origin: str,
     channel: str,
-    batch: PayloadBatch,
+    id_prefix: str,
+    first_row: int = 0,
     service_name: str | None = None,
     correlation_id: str | None = None,
 ) -> FramedBatch: ...

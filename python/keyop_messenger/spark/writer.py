@@ -192,7 +192,7 @@ class _Target:
         raise NotImplementedError
 
     def publish_framed(self, batch: Any) -> None:
-        """Appends a ``_core.FramedBatch`` (records framed by :func:`_core.frame_batch`)."""
+        """Appends a ``_core.FramedBatch`` (records framed by :func:`_core.encode_records`)."""
         raise NotImplementedError
 
     def resume(self, channel: str, prefix: str) -> int:
@@ -723,8 +723,9 @@ class _ArrowChunks:
     first ``skip`` rows of the partition. :meth:`ahead` encodes chunks before
     the target is open (a chunk that turns out to straddle ``skip`` is
     encoded again from there). For a data directory the chunks are framed
-    as records too (ids, timestamps, checks: :func:`_core.frame_batch`), so
-    that under the directory lock a task only appends."""
+    as records too, in the same pass (ids, timestamps, checks:
+    :func:`_core.encode_records`), so that under the directory lock a task
+    only appends."""
 
     def __init__(self, spec: WriteSpec, batches: Iterable[pa.RecordBatch]) -> None:
         self.spec = spec
@@ -756,12 +757,15 @@ class _ArrowChunks:
         from .. import _core
 
         spec = self.spec
-        payloads = _core.encode_columns(
+        if self.framed:
+            return _core.encode_records(
+                spec.payload_type, columns, size, origin=spec.name, channel=spec.channel,
+                id_prefix=prefix, first_row=first, service_name=spec.service_name,
+                correlation_id=corr,
+            )  # fmt: skip
+        return _core.encode_columns(
             spec.payload_type, columns, size, id_prefix=prefix, first_row=first
         )
-        if not self.framed:
-            return payloads
-        return _core.frame_batch(spec.name, spec.channel, payloads, spec.service_name, corr)
 
     def ahead(
         self, prefix: str, budget: int, corr_of: Callable[[int, str | None], str | None]

@@ -262,23 +262,46 @@ pub fn encode_payloads(
     rows: usize,
     out: &mut Vec<u8>,
 ) -> Result<Vec<usize>, ColumnError> {
-    let keys: Vec<String> = columns
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let mut k = String::new();
-            k.push(if i == 0 { '{' } else { ',' });
-            k.push_str(&serde_json::to_string(c.name).unwrap_or_default());
-            k.push(':');
-            k
-        })
-        .collect();
+    let writer = PayloadWriter::new(columns);
     let mut ends = Vec::with_capacity(rows);
     for row in 0..rows {
-        if columns.is_empty() {
+        writer.write_row(row, out)?;
+        ends.push(out.len());
+    }
+    Ok(ends)
+}
+
+/// Writes one row of columns at a time as a JSON object (see
+/// [`encode_payloads`]): for callers that frame each payload as it is written.
+pub struct PayloadWriter<'c, 'a> {
+    columns: &'c [Column<'a>],
+    /// `{"name":` for the first column, `,"name":` for the others.
+    keys: Vec<String>,
+}
+
+impl<'c, 'a> PayloadWriter<'c, 'a> {
+    /// A writer of the rows of `columns`.
+    pub fn new(columns: &'c [Column<'a>]) -> Self {
+        let keys = columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut k = String::new();
+                k.push(if i == 0 { '{' } else { ',' });
+                k.push_str(&serde_json::to_string(c.name).unwrap_or_default());
+                k.push(':');
+                k
+            })
+            .collect();
+        PayloadWriter { columns, keys }
+    }
+
+    /// Appends row `row` (from each column's offset) to `out` as a JSON object.
+    pub fn write_row(&self, row: usize, out: &mut Vec<u8>) -> Result<(), ColumnError> {
+        if self.columns.is_empty() {
             out.push(b'{');
         }
-        for (c, key) in columns.iter().zip(&keys) {
+        for (c, key) in self.columns.iter().zip(&self.keys) {
             out.extend_from_slice(key.as_bytes());
             let fail = |reason: &str| ColumnError {
                 column: c.name.to_owned(),
@@ -351,9 +374,8 @@ pub fn encode_payloads(
             }
         }
         out.push(b'}');
-        ends.push(out.len());
+        Ok(())
     }
-    Ok(ends)
 }
 
 /// Year, month and day of the day `days` after 1970-01-01 (proleptic

@@ -173,6 +173,70 @@ pub fn placed(ids: Ids, offset: u64) -> Vec<Published> {
         .collect()
 }
 
+/// Frames `rows` records that differ only in id (`<id_prefix><first_row + i>`)
+/// and payload, with one timestamp for all; `payload(row, out)` writes each
+/// payload straight into its record, so no list of payloads is built and
+/// copied. The records and checks of [`frame_batch`] (the shared header is
+/// checked once, each id and payload on its own); `m.payload_json` is not
+/// used. All or none.
+pub fn frame_rows(
+    origin: &str,
+    channel: &str,
+    m: &Outgoing<'_>,
+    id_prefix: &str,
+    first_row: u64,
+    rows: usize,
+    mut payload: impl FnMut(usize, &mut Vec<u8>) -> Result<(), Error>,
+) -> Result<Framed, Error> {
+    validate_name(NameKind::PublishChannel, channel)?;
+    let ts = envelope::ts_now();
+    let mut buf = Vec::with_capacity(rows * 256);
+    let mut ids = Vec::with_capacity(rows);
+    let mut id = String::with_capacity(id_prefix.len() + 20);
+    let mut after_id = Vec::new();
+    for row in 0..rows {
+        id.clear();
+        id.push_str(id_prefix);
+        id.push_str(itoa::Buffer::new().format(first_row + row as u64));
+        let header = Header {
+            id: &id,
+            ts: ts.as_str(),
+            channel,
+            origin,
+            payload_type: m.payload_type,
+            correlation_id: m.correlation_id,
+            service_name: m.service_name,
+        };
+        if row == 0 {
+            envelope::validate_header(&header, NameKind::PublishChannel)?;
+            envelope::encode_record_after_id(&mut after_id, &header);
+        } else {
+            envelope::validate_id(&id)?;
+        }
+        let start = buf.len();
+        envelope::encode_record_id(&mut buf, &id);
+        buf.extend_from_slice(&after_id);
+        let payload_start = buf.len();
+        payload(row, &mut buf)?;
+        envelope::check_payload_depth(&buf[payload_start..])?;
+        buf.extend_from_slice(envelope::RECORD_TAIL);
+        let size = buf.len() - start;
+        if size > MAX_RECORD_BYTES {
+            return Err(Error::TooLarge {
+                size,
+                limit: MAX_RECORD_BYTES,
+            });
+        }
+        ids.push((id.clone(), start as u64));
+    }
+    Ok(Framed {
+        origin: origin.to_owned(),
+        channel: channel.to_owned(),
+        buf,
+        ids,
+    })
+}
+
 /// A local messenger instance: storage plus identity.
 pub struct Engine {
     store: Arc<Store>,

@@ -14,7 +14,6 @@
 //! applies these rules, so nothing is stored that a reader would refuse.
 
 use std::fmt;
-use std::io::Write as _;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -646,8 +645,30 @@ fn needs_escape(b: &[u8]) -> bool {
 /// `payload_json` must be one compact JSON value without raw line feeds (as
 /// produced by serde_json or the binding's encoder); it is copied verbatim.
 pub fn encode_record(out: &mut Vec<u8>, h: &Header<'_>, payload_json: &[u8]) {
+    encode_record_head(out, h);
+    out.extend_from_slice(payload_json);
+    out.extend_from_slice(RECORD_TAIL);
+}
+
+/// What ends a record after its payload (see [`encode_record`]).
+pub const RECORD_TAIL: &[u8] = b"}\n";
+
+/// The start of a record, up to and including `"payload":` (see
+/// [`encode_record`]): a payload and [`RECORD_TAIL`] complete it.
+pub fn encode_record_head(out: &mut Vec<u8>, h: &Header<'_>) {
+    encode_record_id(out, h.id);
+    encode_record_after_id(out, h);
+}
+
+/// The start of a record up to and including its id (see [`encode_record_head`]).
+pub fn encode_record_id(out: &mut Vec<u8>, id: &str) {
     out.extend_from_slice(b"{\"v\":1,\"id\":");
-    push_json_str(out, h.id);
+    push_json_str(out, id);
+}
+
+/// What follows a record's id up to and including `"payload":` (see
+/// [`encode_record_head`]): the same for records that differ only in id.
+pub fn encode_record_after_id(out: &mut Vec<u8>, h: &Header<'_>) {
     out.extend_from_slice(b",\"ts\":");
     push_json_str(out, h.ts);
     out.extend_from_slice(b",\"channel\":");
@@ -665,8 +686,6 @@ pub fn encode_record(out: &mut Vec<u8>, h: &Header<'_>, payload_json: &[u8]) {
         push_json_str(out, s);
     }
     out.extend_from_slice(b",\"payload\":");
-    out.extend_from_slice(payload_json);
-    let _ = out.write_all(b"}\n");
 }
 
 /// Why a stored line is not a readable envelope (the reader skips such lines).

@@ -20,8 +20,8 @@ pub mod storage;
 pub mod subscribe;
 
 pub use engine::{
-    frame_batch, read_channel, read_channel_stats, resolve_position, Engine, Framed, Outgoing,
-    Published, Submitted,
+    frame_batch, frame_rows, read_channel, read_channel_stats, resolve_position, Engine, Framed,
+    Outgoing, Published, Submitted,
 };
 pub use envelope::{Envelope, NameError, NameKind};
 pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};

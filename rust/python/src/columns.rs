@@ -57,8 +57,8 @@ impl PayloadBatch {
     }
 }
 
-/// Records framed from a `PayloadBatch` by `frame_batch`: ids, timestamps
-/// and the valid-record checks fixed, ready for `Engine.publish_framed`.
+/// Records framed by `encode_records`: ids, timestamps and the valid-record
+/// checks fixed, ready for `Engine.publish_framed`.
 /// Framing is most of a batch's publishing work; done before the data
 /// directory is open, it runs in parallel with another process holding it.
 #[pyclass(module = "keyop_messenger._core", frozen)]
@@ -91,38 +91,6 @@ impl FramedBatch {
     }
 }
 
-/// Frames `batch` as records of `channel` published by the instance named
-/// `origin` (with the batch's ids, if it has them, else new ones), for
-/// `Engine.publish_framed` of that instance. Raises what publishing the
-/// batch would (invalid names or fields, a record over the size limit).
-#[pyfunction]
-#[pyo3(signature = (origin, channel, batch, service_name = None, correlation_id = None))]
-pub fn frame_batch(
-    py: Python<'_>,
-    origin: &str,
-    channel: &str,
-    batch: &PayloadBatch,
-    service_name: Option<&str>,
-    correlation_id: Option<&str>,
-) -> PyResult<FramedBatch> {
-    let framed = py
-        .detach(|| {
-            let msgs: Vec<keyop_core::Outgoing<'_>> = batch
-                .pairs()
-                .into_iter()
-                .map(|(payload_type, payload_json)| keyop_core::Outgoing {
-                    payload_type,
-                    payload_json,
-                    service_name,
-                    correlation_id,
-                })
-                .collect();
-            keyop_core::frame_batch(origin, channel, &msgs, batch.ids.as_deref())
-        })
-        .py_err(py)?;
-    Ok(FramedBatch { framed })
-}
-
 type ColumnSpec<'py> = (
     String,
     String,
@@ -148,9 +116,87 @@ pub fn encode_columns(
     id_prefix: Option<&str>,
     first_row: u64,
 ) -> PyResult<PayloadBatch> {
+    let cols = parse_columns(py, &columns)?;
+    let mut json = Vec::with_capacity(rows * 64);
+    let ends = py
+        .detach(|| keyop_core::columns::encode_payloads(&cols, rows, &mut json))
+        .map_err(|e| new_err(py, Kind::PayloadType, e.to_string()))?;
+    let ids = id_prefix.map(|p| {
+        (0..rows as u64)
+            .map(|i| {
+                let mut id = String::with_capacity(p.len() + 20);
+                id.push_str(p);
+                id.push_str(itoa::Buffer::new().format(first_row + i));
+                id
+            })
+            .collect()
+    });
+    Ok(PayloadBatch {
+        payload_type,
+        json,
+        ends,
+        ids,
+    })
+}
+
+/// Encodes `rows` rows of `columns` (see `encode_columns`) as records of
+/// `channel` published by the instance named `origin`, with the ids
+/// `<id_prefix><first_row + i>`, each payload written straight into its
+/// record; raises what publishing them would (invalid names or fields, a
+/// record over the size limit).
+#[pyfunction]
+#[pyo3(signature = (
+    payload_type, columns, rows, *, origin, channel, id_prefix, first_row = 0,
+    service_name = None, correlation_id = None
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn encode_records(
+    py: Python<'_>,
+    payload_type: &str,
+    columns: Vec<ColumnSpec<'_>>,
+    rows: usize,
+    origin: &str,
+    channel: &str,
+    id_prefix: &str,
+    first_row: u64,
+    service_name: Option<&str>,
+    correlation_id: Option<&str>,
+) -> PyResult<FramedBatch> {
+    let cols = parse_columns(py, &columns)?;
+    let header = keyop_core::Outgoing {
+        payload_type,
+        payload_json: b"",
+        service_name,
+        correlation_id,
+    };
+    let framed = py
+        .detach(|| {
+            let writer = keyop_core::columns::PayloadWriter::new(&cols);
+            keyop_core::frame_rows(
+                origin,
+                channel,
+                &header,
+                id_prefix,
+                first_row,
+                rows,
+                |row, out| {
+                    writer.write_row(row, out).map_err(|e| {
+                        keyop_core::Error::InvalidRecord(
+                            keyop_core::envelope::RecordError::Unreadable(e.to_string()),
+                        )
+                    })
+                },
+            )
+        })
+        .py_err(py)?;
+    Ok(FramedBatch { framed })
+}
+
+/// The columns of an `encode_columns` call, checked.
+fn parse_columns<'a>(py: Python<'_>, columns: &'a [ColumnSpec<'_>]) -> PyResult<Vec<Column<'a>>> {
     let bad = |msg: String| new_err(py, Kind::PayloadType, msg);
     let mut cols = Vec::with_capacity(columns.len());
-    for (name, kind, offset, validity, data, offsets) in &columns {
+    for (name, kind, offset, validity, data, offsets) in columns {
         let data = data.as_bytes();
         let values = match kind.as_str() {
             "bool" => ColumnValues::Bool(data),
@@ -185,26 +231,7 @@ pub fn encode_columns(
             offset: *offset,
         });
     }
-    let mut json = Vec::with_capacity(rows * 64);
-    let ends = py
-        .detach(|| keyop_core::columns::encode_payloads(&cols, rows, &mut json))
-        .map_err(|e| bad(e.to_string()))?;
-    let ids = id_prefix.map(|p| {
-        (0..rows as u64)
-            .map(|i| {
-                let mut id = String::with_capacity(p.len() + 20);
-                id.push_str(p);
-                id.push_str(itoa::Buffer::new().format(first_row + i));
-                id
-            })
-            .collect()
-    });
-    Ok(PayloadBatch {
-        payload_type,
-        json,
-        ends,
-        ids,
-    })
+    Ok(cols)
 }
 
 /// Batches of the records of a channel as Arrow buffers (see

@@ -365,9 +365,7 @@ impl PyEngine {
     /// interrupts it (as in `send`).
     fn publish_framed(&self, py: Python<'_>, framed: &keyop_core::Framed) -> PyResult<()> {
         if self.engine.durable() && receipt::on_main_thread(py)? {
-            let ticket = py
-                .detach(|| self.engine.submit_framed(framed))
-                .py_err(py)?;
+            let ticket = py.detach(|| self.engine.submit_framed(framed)).py_err(py)?;
             if let Some(ticket) = ticket {
                 receipt::wait_slices(py, None, |slice| {
                     ticket
@@ -452,7 +450,7 @@ impl PyEngine {
         Ok(framed.ids().iter().map(|(id, _)| id.clone()).collect())
     }
 
-    /// Appends records framed ahead by `frame_batch` for this instance,
+    /// Appends records framed ahead by `encode_records` for this instance,
     /// with one write and one fsync, all or none, as `publish_batch` does.
     #[pyo3(name = "publish_framed")]
     fn py_publish_framed(&self, py: Python<'_>, batch: &columns::FramedBatch) -> PyResult<()> {
@@ -1710,7 +1708,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<columns::FramedBatch>()?;
     m.add_class::<columns::ColumnIter>()?;
     m.add_function(wrap_pyfunction!(columns::encode_columns, m)?)?;
-    m.add_function(wrap_pyfunction!(columns::frame_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(columns::encode_records, m)?)?;
     m.add_function(wrap_pyfunction!(columns::read_columns, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_position, m)?)?;
     m.add_function(wrap_pyfunction!(read_stats, m)?)?;
