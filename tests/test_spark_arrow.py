@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -237,9 +238,10 @@ def test_payload_schema_parsed_by_arrow_matches_python(tmp_path: Path, bad: bool
 def test_data_dir_write_resumes_after_the_rows_a_failed_attempt_committed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chunks encoded ahead (before the directory lock) and the resume point
-    of a retried attempt: every row once, also when the retry's chunks
-    straddle the rows already committed."""
+    """Chunks encoded ahead while another holds the directory lock, chunks
+    appended as they come when it is free, and the resume point of a
+    retried attempt: every row once, also when the retry's chunks straddle
+    the rows already committed, and the rows committed counted exactly."""
     from keyop_messenger.spark import writer
     from keyop_messenger.spark.writer import PartitionError, WriteSpec, publish_arrow
 
@@ -258,14 +260,18 @@ def test_data_dir_write_resumes_after_the_rows_a_failed_attempt_committed(
         yield from batches[:3]
         raise RuntimeError("the task dies")
 
+    holder = km.Messenger(km.Config.from_dict({"storage": {"data_dir": str(tmp_path)}}))
     with pytest.raises(PartitionError, match="after committing 0 rows"):
-        publish_arrow(spec(1000), failing(), "job0")  # died while encoding ahead
+        publish_arrow(spec(1000), failing(), "job0")  # died encoding ahead of the lock
     assert not (tmp_path / "channels" / "c").exists()
     with monkeypatch.context() as patch:
         patch.setattr(writer, "ENCODE_AHEAD_BYTES", 1)  # one chunk ahead, then as it comes
-        with pytest.raises(PartitionError, match="after committing 12000 rows"):
+        threading.Timer(0.3, holder.close).start()  # the lock frees while the task waits
+        with pytest.raises(PartitionError, match="after committing 12000 rows in 12 batches"):
             publish_arrow(spec(1000), failing(), "job1")
-    commit = publish_arrow(spec(5000), iter(batches), "job1")  # chunk 10000-15000 straddles
+    assert len(list(km.read_channel(tmp_path, "c"))) == 12_000
+    # A free directory: appended as the rows come; chunk 10000-15000 straddles.
+    commit = publish_arrow(spec(5000), iter(batches), "job1")
     assert (commit.skipped, commit.rows) == (12_000, 20_000)
     stored = list(km.read_channel(tmp_path, "c"))
     assert [e.message.id for e in stored] == [f"job1:0:{i}" for i in range(20_000)]

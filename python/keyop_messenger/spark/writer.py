@@ -6,6 +6,7 @@ publishing a partition in chunks, commit reports, the batch writer and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -160,6 +161,16 @@ class WriteSpec:
         assert self.data_dir is not None
         return _DirTarget(self.data_dir, self.name, self.storage, self.lock_timeout_s)
 
+    def free_target(self) -> _Target | None:
+        """The data directory's target if its lock is free now, else None."""
+        from ..errors import DataDirLockedError
+
+        assert self.data_dir is not None
+        try:
+            return _DirTarget(self.data_dir, self.name, self.storage, 0.0)
+        except DataDirLockedError:
+            return None
+
 
 def _host_name() -> str:
     try:
@@ -191,8 +202,10 @@ class _Target:
         """Publishes a ``_core.PayloadBatch`` (payloads and ids encoded by the engine)."""
         raise NotImplementedError
 
-    def publish_framed(self, batch: Any) -> None:
-        """Appends a ``_core.FramedBatch`` (records framed by :func:`_core.encode_records`)."""
+    def publish_framed(self, batch: Any) -> Any:
+        """Hands a ``_core.FramedBatch`` (records framed by
+        :func:`_core.encode_records`) to be appended; returns its receipt
+        (``wait()`` raises if the append failed) or None for an empty batch."""
         raise NotImplementedError
 
     def resume(self, channel: str, prefix: str) -> int:
@@ -354,8 +367,8 @@ class _DirTarget(_Target):
         engine = self.messenger._engine
         return list(engine.publish_batch(channel, batch, service_name, correlation_id))
 
-    def publish_framed(self, batch: Any) -> None:
-        self.messenger._engine.publish_framed(batch)
+    def publish_framed(self, batch: Any) -> Any:
+        return self.messenger._engine.publish_framed(batch, wait=False)
 
     # Progress of a task: ``<data_dir>/spark-progress/<job>/<partition>.json``,
     # ``{"rows": n, "offset": o}``: ``n`` rows were committed and every later
@@ -476,17 +489,22 @@ def _task_info() -> tuple[int, int, int | None, str | None]:
     )
 
 
-#: What publishing a chunk gives: (records, first id, last id).
+#: What publishing a chunk gives once committed: (records, first id, last id).
 _Sent = tuple[int, "str | None", "str | None"]
 
 #: One chunk to publish: (index of its first row in the partition, rows,
 #: correlation id from ``correlation_id_column`` or None, publish function
-#: taking (target, correlation id, ids prefix)).
-_Chunk = tuple[int, int, "str | None", Callable[["_Target", "str | None", str], _Sent]]
+#: taking (target, correlation id, ids prefix) and returning a function
+#: that waits for the chunk's commit).
+_Chunk = tuple[
+    int, int, "str | None", Callable[["_Target", "str | None", str], Callable[[], _Sent]]
+]
 
 
-def _sent(ids: list[str]) -> _Sent:
-    return (len(ids), ids[0], ids[-1]) if ids else (0, None, None)
+def _sent(ids: list[str]) -> Callable[[], _Sent]:
+    """The wait of a chunk already committed with ``ids``."""
+    sent: _Sent = (len(ids), ids[0], ids[-1]) if ids else (0, None, None)
+    return lambda: sent
 
 
 def _dict_chunks(
@@ -502,7 +520,7 @@ def _dict_chunks(
             def send(
                 target: _Target, corr: str | None, prefix: str, first: int = first,
                 chunk: list[dict[str, Any]] = chunk,
-            ) -> _Sent:  # fmt: skip
+            ) -> Callable[[], _Sent]:  # fmt: skip
                 items = [(spec.payload_type, p) for p in chunk]
                 wanted = [f"{prefix}{first + i}" for i in range(len(chunk))]
                 ids = target.publish_batch(spec.channel, items, spec.service_name, corr, wanted)
@@ -564,10 +582,14 @@ def _publish_chunks(
 
     try:
         if any_rows and ahead is not None:
-            # Before waiting for the target (a lock), so tasks do this in parallel.
-            ahead(prefix, ENCODE_AHEAD_BYTES, corr_of)
-        if any_rows:
+            # A data_dir task that finds the directory free takes it and
+            # appends as its rows come; one that finds it taken encodes ahead
+            # meanwhile: tasks encode in parallel and take turns to append.
+            target = spec.free_target()
+            ahead(prefix, 0 if target is not None else ENCODE_AHEAD_BYTES, corr_of)
+        if any_rows and target is None:
             target = spec.target()
+        if target is not None:
             commit.skipped = target.resume(spec.channel, prefix)
             commit.rows = commit.skipped
             if commit.skipped:
@@ -578,15 +600,36 @@ def _publish_chunks(
                     attempt,
                     commit.skipped,
                 )
-        for first, count, key, send in chunks(commit.skipped):
+
+        def settle(first: int, count: int, wait: Callable[[], _Sent]) -> None:
+            """Waits for a chunk's commit and counts it."""
             assert target is not None
-            sent, first_id, last_id = send(target, corr_of(first, key), prefix)
+            sent, first_id, last_id = wait()
             if sent:
                 commit.first_id = commit.first_id or first_id
                 commit.last_id = last_id
             commit.rows += sent
             commit.batches += 1
             target.committed(spec.channel, prefix, first + count)
+
+        # A chunk's append overlaps the encoding of the next (done by the
+        # iterator): each chunk is waited for, and counted, once the next one
+        # is ready, and before the next one is handed over.
+        in_flight: tuple[int, int, Callable[[], _Sent]] | None = None
+        try:
+            for first, count, key, send in chunks(commit.skipped):
+                assert target is not None
+                if in_flight is not None:
+                    previous, in_flight = in_flight, None
+                    settle(*previous)
+                in_flight = (first, count, send(target, corr_of(first, key), prefix))
+        except BaseException:
+            if in_flight is not None:
+                with contextlib.suppress(Exception):
+                    settle(*in_flight)  # counted if it was committed
+            raise
+        if in_flight is not None:
+            settle(*in_flight)
     except Exception as exc:
         where = "" if batch_id is None else f" of micro-batch {batch_id}"
         raise PartitionError(
@@ -735,6 +778,7 @@ class _ArrowChunks:
         #: of ``prefix`` and that correlation id).
         self.ready: list[tuple[int, int, list[Any], str | None, Any]] = []
         self.prefix: str | None = None
+        self.corr_of: Callable[[int, str | None], str | None] | None = None
 
     def _cut(self, batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, int, list[Any], int]]:
         """(first row, rows, columns, Arrow bytes) of each chunk, in order."""
@@ -771,8 +815,9 @@ class _ArrowChunks:
         self, prefix: str, budget: int, corr_of: Callable[[int, str | None], str | None]
     ) -> None:
         """Encodes chunks (ids of ``prefix``, correlation ids by ``corr_of``)
-        until ``budget`` bytes of Arrow data are encoded or the batches end."""
-        self.prefix = prefix
+        until ``budget`` bytes of Arrow data are encoded or the batches end;
+        the chunks after those are encoded as they are iterated."""
+        self.prefix, self.corr_of = prefix, corr_of
         used = 0
         while used < budget:
             piece = next(self.pieces, None)
@@ -794,20 +839,30 @@ class _ArrowChunks:
                 cut = skip - first
                 columns = [(c[0], c[1], c[2] + cut, *c[3:]) for c in columns]
                 first, size, encoded = skip, size - cut, None
+            if encoded is None and self.prefix is not None and self.corr_of is not None:
+                made_for = self.corr_of(first, None)
+                encoded = self._encode(columns, size, self.prefix, first, made_for)
 
             def send(
                 target: _Target, corr: str | None, prefix: str, first: int = first,
                 columns: list[Any] = columns, size: int = size, encoded: Any = encoded,
                 made_for: str | None = made_for,
-            ) -> _Sent:  # fmt: skip
+            ) -> Callable[[], _Sent]:  # fmt: skip
                 if encoded is None or prefix != self.prefix or corr != made_for:
                     encoded = self._encode(columns, size, prefix, first, corr)
-                if self.framed:
-                    target.publish_framed(encoded)
-                    return len(encoded), encoded.first_id, encoded.last_id
-                return _sent(
-                    target.publish_encoded(self.spec.channel, encoded, self.spec.service_name, corr)
-                )
+                if not self.framed:
+                    return _sent(target.publish_encoded(
+                        self.spec.channel, encoded, self.spec.service_name, corr
+                    ))  # fmt: skip
+                receipt = target.publish_framed(encoded)
+                framed = encoded
+
+                def wait() -> _Sent:
+                    if receipt is not None:
+                        receipt.wait()
+                    return len(framed), framed.first_id, framed.last_id
+
+                return wait
 
             yield first, size, None, send
 

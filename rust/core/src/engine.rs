@@ -433,20 +433,23 @@ impl Engine {
     }
 
     /// [`Engine::publish_framed`] handed to the channel's committer thread:
-    /// returns at once with the batch's ticket ([`Engine::submit`]); `None`
-    /// for an empty batch.
-    pub fn submit_framed(&self, framed: &Framed) -> Result<Option<Ticket>, Error> {
+    /// returns at once ([`Engine::submit`]) with the batch's outcome to come,
+    /// under its last record's id; `None` for an empty batch.
+    pub fn submit_framed(&self, framed: &Framed) -> Result<Option<Submitted>, Error> {
         let writer = self.framed_writer(framed)?;
-        if framed.ids.is_empty() {
+        let Some((last, _)) = framed.ids.last() else {
             return Ok(None);
-        }
+        };
         let ticket = writer.submit(&framed.buf, framed.ids.len() as u64)?;
         let seen_ids = match self.seen.get() {
             Some(_) => framed.ids.iter().map(|(id, _)| id.clone()).collect(),
             None => Vec::new(),
         };
         self.on_commit(&ticket, seen_ids);
-        Ok(Some(ticket))
+        Ok(Some(Submitted {
+            id: last.clone(),
+            ticket,
+        }))
     }
 
     /// The writer of a framed batch's channel, once the batch is known to

@@ -365,13 +365,9 @@ impl PyEngine {
     /// interrupts it (as in `send`).
     fn publish_framed(&self, py: Python<'_>, framed: &keyop_core::Framed) -> PyResult<()> {
         if self.engine.durable() && receipt::on_main_thread(py)? {
-            let ticket = py.detach(|| self.engine.submit_framed(framed)).py_err(py)?;
-            if let Some(ticket) = ticket {
-                receipt::wait_slices(py, None, |slice| {
-                    ticket
-                        .wait_timeout(slice)
-                        .map(|r| r.map_err(keyop_core::Error::from))
-                })?;
+            let submitted = py.detach(|| self.engine.submit_framed(framed)).py_err(py)?;
+            if let Some(sub) = submitted {
+                receipt::wait_interruptibly(py, &sub, None)?;
             }
             return Ok(());
         }
@@ -452,9 +448,24 @@ impl PyEngine {
 
     /// Appends records framed ahead by `encode_records` for this instance,
     /// with one write and one fsync, all or none, as `publish_batch` does.
-    #[pyo3(name = "publish_framed")]
-    fn py_publish_framed(&self, py: Python<'_>, batch: &columns::FramedBatch) -> PyResult<()> {
-        self.publish_framed(py, &batch.framed)
+    /// With `wait=False`, hands them to the channel's committer thread and
+    /// returns at once a `Receipt` (under the last record's id; None for an
+    /// empty batch) whose `wait()` gives the outcome.
+    #[pyo3(name = "publish_framed", signature = (batch, wait = true))]
+    fn py_publish_framed(
+        &self,
+        py: Python<'_>,
+        batch: &columns::FramedBatch,
+        wait: bool,
+    ) -> PyResult<Option<receipt::Receipt>> {
+        if wait {
+            self.publish_framed(py, &batch.framed)?;
+            return Ok(None);
+        }
+        let submitted = py
+            .detach(|| self.engine.submit_framed(&batch.framed))
+            .py_err(py)?;
+        Ok(submitted.map(|sub| receipt::Receipt { sub: Arc::new(sub) }))
     }
 
     /// Committed end (global byte offset) of `channel`.
