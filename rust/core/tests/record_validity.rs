@@ -8,6 +8,19 @@ use keyop_core::envelope::{
 };
 use keyop_core::{Error, NameKind};
 
+/// A durable engine named `node1` over `data_dir`.
+fn open_node1(data_dir: &std::path::Path) -> keyop_core::Engine {
+    keyop_core::Engine::open(
+        keyop_core::StoreConfig {
+            data_dir: data_dir.to_owned(),
+            sync_interval_ms: 0,
+            segment_bytes: 0,
+        },
+        "node1",
+    )
+    .unwrap()
+}
+
 fn nested(depth: usize) -> String {
     format!("{}1{}", "[".repeat(depth), "]".repeat(depth))
 }
@@ -165,15 +178,7 @@ fn local_publish_refuses_invalid_records_before_writing() {
     encode_message(&mut out, "node1", "temps", &m).unwrap();
 
     let dir = tempfile::tempdir().unwrap();
-    let engine = keyop_core::Engine::open(
-        keyop_core::StoreConfig {
-            data_dir: dir.path().to_owned(),
-            sync_interval_ms: 0,
-            segment_bytes: 0,
-        },
-        "node1",
-    )
-    .unwrap();
+    let engine = open_node1(dir.path());
     let m = Outgoing {
         payload_json: deep.as_bytes(),
         ..m
@@ -214,15 +219,7 @@ fn framed_batches_are_checked_when_framed_and_appended_only_by_their_origin() {
     assert!(frame_batch("node1", "temps", &[item("{}"), item("{}")], Some(&one_id)).is_err());
 
     let dir = tempfile::tempdir().unwrap();
-    let engine = keyop_core::Engine::open(
-        keyop_core::StoreConfig {
-            data_dir: dir.path().to_owned(),
-            sync_interval_ms: 0,
-            segment_bytes: 0,
-        },
-        "node1",
-    )
-    .unwrap();
+    let engine = open_node1(dir.path());
     let ids = ["job:0:0".to_owned(), "job:0:1".to_owned()];
     let foreign = frame_batch("node2", "temps", &[item("{\"a\":1}")], None).unwrap();
     let e = engine.publish_framed(&foreign).unwrap_err();
