@@ -36,6 +36,10 @@ def test_bench_spark_reports_both_ratios_locally_and_on_a_standalone_cluster() -
     for key in KEYS:
         assert figures[key] > 0, key
         assert figures[key.replace("spark_", "spark_standalone_", 1)] > 0, key
-    # Every process of the cluster was ended with the bench.
-    leftover = subprocess.run(["pgrep", "-f", "org.apache.spark.deploy"], capture_output=True)
-    assert leftover.stdout == b"", leftover.stdout
+    # Every process of the cluster (master, workers, their executors) was ended
+    # with the bench. (This process's own Spark driver, if an earlier test
+    # started one, is org.apache.spark.deploy.SparkSubmit: not matched.)
+    cluster = "org.apache.spark.deploy.master.Master|org.apache.spark.deploy.worker.Worker|" \
+        "CoarseGrainedExecutorBackend"
+    leftover = subprocess.run(["pgrep", "-af", cluster], capture_output=True, text=True)
+    assert leftover.stdout == "", leftover.stdout

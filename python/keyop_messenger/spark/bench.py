@@ -182,6 +182,7 @@ def standalone_cluster(workers: int = 2, cores: int = 1) -> Iterator[str]:
                 time.sleep(0.5)
             yield url
         finally:
+            # Each process leads its own group, with the executors a worker starts.
             for p in reversed(procs):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGTERM)
@@ -191,7 +192,34 @@ def standalone_cluster(workers: int = 2, cores: int = 1) -> Iterator[str]:
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+            for p in procs:
+                _end_group(p.pid)
             log.close()
+
+
+def _end_group(pgid: int, timeout_s: float = 30.0) -> None:
+    """Waits until no live process is left in the process group ``pgid``
+    (an executor may outlive its worker for a moment), killing what is left
+    after ``timeout_s``."""
+
+    def alive() -> bool:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":  # (state, ppid, pgrp, ...)
+                return True
+        return False
+
+    for _ in range(2):  # after the caller's SIGTERM, then after a SIGKILL
+        deadline = time.monotonic() + timeout_s
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 def _cluster_failed(tmp: str, why: str) -> str:
