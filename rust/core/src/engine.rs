@@ -107,7 +107,7 @@ pub struct Framed {
     origin: String,
     channel: String,
     buf: Vec<u8>,
-    ids: Ids,
+    ids: FramedIds,
 }
 
 impl Framed {
@@ -116,10 +116,72 @@ impl Framed {
         &self.channel
     }
 
-    /// The ids, each with its record's offset in the batch.
-    pub fn ids(&self) -> &Ids {
+    /// The ids of the records, in order.
+    pub fn ids(&self) -> &FramedIds {
         &self.ids
     }
+}
+
+/// The ids of framed records: listed ([`frame_batch`]), or numbered
+/// `<prefix><first + i>` ([`frame_rows`], which then makes no string per
+/// record).
+pub enum FramedIds {
+    Listed(Ids),
+    Numbered {
+        prefix: String,
+        first: u64,
+        count: usize,
+    },
+}
+
+impl FramedIds {
+    /// How many records.
+    pub fn len(&self) -> usize {
+        match self {
+            FramedIds::Listed(ids) => ids.len(),
+            FramedIds::Numbered { count, .. } => *count,
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The id of record `i` (None past the end).
+    pub fn get(&self, i: usize) -> Option<String> {
+        match self {
+            FramedIds::Listed(ids) => ids.get(i).map(|(id, _)| id.clone()),
+            FramedIds::Numbered {
+                prefix,
+                first,
+                count,
+            } => (i < *count).then(|| numbered_id(prefix, first + i as u64)),
+        }
+    }
+
+    /// The first record's id.
+    pub fn first(&self) -> Option<String> {
+        self.get(0)
+    }
+
+    /// The last record's id.
+    pub fn last(&self) -> Option<String> {
+        self.len().checked_sub(1).and_then(|i| self.get(i))
+    }
+
+    /// Every id, in order.
+    pub fn to_vec(&self) -> Vec<String> {
+        (0..self.len()).filter_map(|i| self.get(i)).collect()
+    }
+}
+
+/// `<prefix><n>`.
+fn numbered_id(prefix: &str, n: u64) -> String {
+    let mut id = String::with_capacity(prefix.len() + 20);
+    id.push_str(prefix);
+    id.push_str(itoa::Buffer::new().format(n));
+    id
 }
 
 /// Frames `items` for `channel` as published by `origin` ([`encode_message_with_id`]
@@ -158,7 +220,7 @@ pub fn frame_batch(
         origin: origin.to_owned(),
         channel: channel.to_owned(),
         buf,
-        ids,
+        ids: FramedIds::Listed(ids),
     })
 }
 
@@ -191,11 +253,10 @@ pub fn frame_rows(
     validate_name(NameKind::PublishChannel, channel)?;
     let ts = envelope::ts_now();
     let mut buf = Vec::with_capacity(rows * 256);
-    let mut ids = Vec::with_capacity(rows);
     let mut id = String::with_capacity(id_prefix.len() + 20);
     let mut after_id = Vec::new();
     for row in 0..rows {
-        id.clear();
+        id.truncate(0);
         id.push_str(id_prefix);
         id.push_str(itoa::Buffer::new().format(first_row + row as u64));
         let header = Header {
@@ -227,13 +288,16 @@ pub fn frame_rows(
                 limit: MAX_RECORD_BYTES,
             });
         }
-        ids.push((id.clone(), start as u64));
     }
     Ok(Framed {
         origin: origin.to_owned(),
         channel: channel.to_owned(),
         buf,
-        ids,
+        ids: FramedIds::Numbered {
+            prefix: id_prefix.to_owned(),
+            first: first_row,
+            count: rows,
+        },
     })
 }
 
@@ -410,7 +474,10 @@ impl Engine {
         }
         let framed = frame_batch(&self.origin, channel, items, given)?;
         let offset = self.publish_framed(&framed)?;
-        Ok(placed(framed.ids, offset))
+        let FramedIds::Listed(ids) = framed.ids else {
+            unreachable!("frame_batch lists its ids")
+        };
+        Ok(placed(ids, offset))
     }
 
     /// Appends records framed ahead ([`frame_batch`]) by this instance's
@@ -425,8 +492,8 @@ impl Engine {
         let at = writer.append(&framed.buf, framed.ids.len() as u64)?;
         self.stats.publish.record(started.elapsed());
         if let Some(seen) = self.seen.get() {
-            for (id, _) in &framed.ids {
-                seen.insert(id);
+            for id in framed.ids.to_vec() {
+                seen.insert(&id);
             }
         }
         Ok(at.offset)
@@ -437,19 +504,16 @@ impl Engine {
     /// under its last record's id; `None` for an empty batch.
     pub fn submit_framed(&self, framed: &Framed) -> Result<Option<Submitted>, Error> {
         let writer = self.framed_writer(framed)?;
-        let Some((last, _)) = framed.ids.last() else {
+        let Some(last) = framed.ids.last() else {
             return Ok(None);
         };
         let ticket = writer.submit(&framed.buf, framed.ids.len() as u64)?;
         let seen_ids = match self.seen.get() {
-            Some(_) => framed.ids.iter().map(|(id, _)| id.clone()).collect(),
+            Some(_) => framed.ids.to_vec(),
             None => Vec::new(),
         };
         self.on_commit(&ticket, seen_ids);
-        Ok(Some(Submitted {
-            id: last.clone(),
-            ticket,
-        }))
+        Ok(Some(Submitted { id: last, ticket }))
     }
 
     /// The writer of a framed batch's channel, once the batch is known to

@@ -21,7 +21,7 @@ pub mod subscribe;
 
 pub use engine::{
     frame_batch, frame_rows, read_channel, read_channel_stats, resolve_position, Engine, Framed,
-    Outgoing, Published, Submitted,
+    FramedIds, Outgoing, Published, Submitted,
 };
 pub use envelope::{Envelope, NameError, NameKind};
 pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};

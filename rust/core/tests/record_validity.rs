@@ -252,4 +252,57 @@ fn framed_batches_are_checked_when_framed_and_appended_only_by_their_origin() {
         "one clock reading per batch of given ids"
     );
     assert_eq!(framed.ids().len(), 2);
+    assert_eq!(framed.ids().first().as_deref(), Some("job:0:0"));
+    assert_eq!(framed.ids().last().as_deref(), Some("job:0:1"));
+    assert_eq!(framed.ids().to_vec(), ["job:0:0", "job:0:1"]);
+    assert_eq!(framed.ids().get(2), None);
+}
+
+/// Rows framed with numbered ids (`frame_rows`) keep no string per id, yet
+/// give each id back, and the receipt of a submitted batch names its last.
+#[test]
+fn rows_framed_with_numbered_ids_read_back_with_each_id() {
+    use keyop_core::{frame_rows, Envelope};
+    let header = Outgoing {
+        payload_type: "t",
+        payload_json: b"",
+        service_name: None,
+        correlation_id: Some("c1"),
+    };
+    let framed = frame_rows("node1", "temps", &header, "job:3:", 7, 3, |row, out| {
+        out.extend_from_slice(format!("{{\"row\":{row}}}").as_bytes());
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(framed.ids().len(), 3);
+    assert_eq!(framed.ids().first().as_deref(), Some("job:3:7"));
+    assert_eq!(framed.ids().last().as_deref(), Some("job:3:9"));
+    assert_eq!(framed.ids().get(3), None);
+    // A prefix that makes an invalid id is refused when framing.
+    assert!(
+        frame_rows("node1", "temps", &header, "bad id:", 0, 1, |_, out| {
+            out.extend_from_slice(b"{}");
+            Ok(())
+        })
+        .is_err()
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_node1(dir.path());
+    let submitted = engine.submit_framed(&framed).unwrap().unwrap();
+    assert_eq!(submitted.id, "job:3:9");
+    assert_eq!(submitted.wait().unwrap().offset, 0);
+    let end = engine.store().writer("temps").unwrap().committed_end();
+    let (mut reader, _) = engine.read("temps", 0).unwrap();
+    let mut got = Vec::new();
+    while let Some(item) = reader.next_item(end).unwrap() {
+        if let keyop_core::storage::Item::Record { line, .. } = item {
+            got.push(Envelope::decode(&line).unwrap());
+        }
+    }
+    let ids: Vec<_> = got.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids, ["job:3:7", "job:3:8", "job:3:9"]);
+    assert!(got
+        .iter()
+        .all(|e| e.correlation_id.as_deref() == Some("c1")));
 }

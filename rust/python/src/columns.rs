@@ -80,14 +80,14 @@ impl FramedBatch {
 
     /// The first record's id (None for an empty batch).
     #[getter]
-    fn first_id(&self) -> Option<&str> {
-        self.framed.ids().first().map(|(id, _)| id.as_str())
+    fn first_id(&self) -> Option<String> {
+        self.framed.ids().first()
     }
 
     /// The last record's id (None for an empty batch).
     #[getter]
-    fn last_id(&self) -> Option<&str> {
-        self.framed.ids().last().map(|(id, _)| id.as_str())
+    fn last_id(&self) -> Option<String> {
+        self.framed.ids().last()
     }
 }
 

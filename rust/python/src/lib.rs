@@ -443,7 +443,7 @@ impl PyEngine {
             .detach(|| keyop_core::frame_batch(origin, channel, &msgs, ids.as_deref()))
             .py_err(py)?;
         self.publish_framed(py, &framed)?;
-        Ok(framed.ids().iter().map(|(id, _)| id.clone()).collect())
+        Ok(framed.ids().to_vec())
     }
 
     /// Appends records framed ahead by `encode_records` for this instance,
