@@ -277,6 +277,12 @@ pub struct PayloadWriter<'c, 'a> {
     columns: &'c [Column<'a>],
     /// `{"name":` for the first column, `,"name":` for the others.
     keys: Vec<String>,
+    /// Per column: a text column's data, checked as UTF-8 once (None: not
+    /// text, or not valid as a whole, so each value is checked on its own).
+    texts: Vec<Option<&'a str>>,
+    /// Per column: the last date written (days, `YYYY-MM-DD`): rows of a
+    /// batch mostly share their day, and the calendar arithmetic is skipped.
+    last_day: Vec<std::cell::Cell<(i64, [u8; 10])>>,
 }
 
 impl<'c, 'a> PayloadWriter<'c, 'a> {
@@ -293,7 +299,42 @@ impl<'c, 'a> PayloadWriter<'c, 'a> {
                 k
             })
             .collect();
-        PayloadWriter { columns, keys }
+        let texts = columns
+            .iter()
+            .map(|c| match c.values {
+                ColumnValues::Text { data, .. } => std::str::from_utf8(data).ok(),
+                _ => None,
+            })
+            .collect();
+        // i64::MIN: no day yet (no date is that far out).
+        let last_day = columns
+            .iter()
+            .map(|_| std::cell::Cell::new((i64::MIN, [0; 10])))
+            .collect();
+        PayloadWriter {
+            columns,
+            keys,
+            texts,
+            last_day,
+        }
+    }
+
+    /// Appends `YYYY-MM-DD` of `days` for column `col` (see `last_day`).
+    fn write_day(&self, col: usize, days: i64, out: &mut Vec<u8>) -> Option<()> {
+        let cell = &self.last_day[col];
+        let (cached, text) = cell.get();
+        if cached == days {
+            out.extend_from_slice(&text);
+            return Some(());
+        }
+        let start = out.len();
+        write_date(out, days)?;
+        let mut text = [0; 10];
+        if let Some(written) = out.get(start..start + 10) {
+            text.copy_from_slice(written);
+            cell.set((days, text));
+        }
+        Some(())
     }
 
     /// Appends row `row` (from each column's offset) to `out` as a JSON object.
@@ -301,7 +342,7 @@ impl<'c, 'a> PayloadWriter<'c, 'a> {
         if self.columns.is_empty() {
             out.push(b'{');
         }
-        for (c, key) in self.columns.iter().zip(&self.keys) {
+        for (col, (c, key)) in self.columns.iter().zip(&self.keys).enumerate() {
             out.extend_from_slice(key.as_bytes());
             let fail = |reason: &str| ColumnError {
                 column: c.name.to_owned(),
@@ -328,7 +369,7 @@ impl<'c, 'a> PayloadWriter<'c, 'a> {
                         8 => i64::from_le_bytes(fixed::<8>(data, i).ok_or_else(short)?),
                         _ => return Err(fail("integer width not supported")),
                     };
-                    serde_json::to_writer(&mut *out, &v).map_err(|e| fail(&e.to_string()))?;
+                    out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
                 }
                 ColumnValues::Float { width, data } => {
                     let v: f64 = match width {
@@ -351,24 +392,36 @@ impl<'c, 'a> PayloadWriter<'c, 'a> {
                 ColumnValues::Text { offsets, data } => {
                     let lo = i32::from_le_bytes(fixed::<4>(offsets, i).ok_or_else(short)?);
                     let hi = i32::from_le_bytes(fixed::<4>(offsets, i + 1).ok_or_else(short)?);
-                    let bytes = usize::try_from(lo)
+                    let range = usize::try_from(lo)
                         .ok()
                         .zip(usize::try_from(hi).ok())
-                        .and_then(|(lo, hi)| data.get(lo..hi))
-                        .ok_or_else(short)?;
-                    let s = std::str::from_utf8(bytes).map_err(|_| fail("text is not UTF-8"))?;
+                        .map(|(lo, hi)| lo..hi);
+                    let s = match (range, self.texts[col]) {
+                        // Checked once; a range splitting a character is None.
+                        (Some(r), Some(text)) => text
+                            .get(r)
+                            .ok_or_else(|| fail("text offsets out of range or not UTF-8"))?,
+                        (range, _) => {
+                            let bytes = range.and_then(|r| data.get(r)).ok_or_else(short)?;
+                            std::str::from_utf8(bytes).map_err(|_| fail("text is not UTF-8"))?
+                        }
+                    };
                     serde_json::to_writer(&mut *out, s).map_err(|e| fail(&e.to_string()))?;
                 }
                 ColumnValues::TimestampMicros { data, utc } => {
                     let us = i64::from_le_bytes(fixed::<8>(data, i).ok_or_else(short)?);
                     out.push(b'"');
-                    write_timestamp(out, us, utc).ok_or_else(|| fail("timestamp out of range"))?;
+                    let secs = us.div_euclid(1_000_000);
+                    self.write_day(col, secs.div_euclid(86_400), out)
+                        .ok_or_else(|| fail("timestamp out of range"))?;
+                    write_time(out, secs, us.rem_euclid(1_000_000) as u64, utc);
                     out.push(b'"');
                 }
                 ColumnValues::Date32(data) => {
                     let days = i32::from_le_bytes(fixed::<4>(data, i).ok_or_else(short)?);
                     out.push(b'"');
-                    write_date(out, days.into()).ok_or_else(|| fail("date out of range"))?;
+                    self.write_day(col, days.into(), out)
+                        .ok_or_else(|| fail("date out of range"))?;
                     out.push(b'"');
                 }
             }
@@ -420,10 +473,18 @@ fn write_date(out: &mut Vec<u8>, days: i64) -> Option<()> {
 
 /// Appends `YYYY-MM-DDTHH:MM:SS[.ffffff]` (fraction trimmed of trailing
 /// zeros) and `Z` when `utc`; `None` for years outside 0..=9999.
+#[cfg(test)]
 fn write_timestamp(out: &mut Vec<u8>, micros: i64, utc: bool) -> Option<()> {
     let secs = micros.div_euclid(1_000_000);
-    let frac = micros.rem_euclid(1_000_000) as u64;
     write_date(out, secs.div_euclid(86_400))?;
+    write_time(out, secs, micros.rem_euclid(1_000_000) as u64, utc);
+    Some(())
+}
+
+/// Appends `THH:MM:SS[.ffffff]` of the second `secs` (since the epoch) and
+/// fraction `frac` (microseconds; trimmed of trailing zeros), and `Z` when
+/// `utc`: the time part of [`write_timestamp`].
+fn write_time(out: &mut Vec<u8>, secs: i64, frac: u64, utc: bool) {
     let sod = secs.rem_euclid(86_400) as u64;
     out.push(b'T');
     digits(out, sod / 3600, 2);
@@ -443,7 +504,6 @@ fn write_timestamp(out: &mut Vec<u8>, micros: i64, utc: bool) -> Option<()> {
     if utc {
         out.push(b'Z');
     }
-    Some(())
 }
 
 #[cfg(test)]
@@ -533,5 +593,83 @@ mod tests {
             offset: 1,
         };
         assert!(encode_payloads(&[short], 3, &mut Vec::new()).is_err());
+    }
+
+    fn le<T: Copy, const N: usize>(values: &[T], to: fn(T) -> [u8; N]) -> Vec<u8> {
+        values.iter().flat_map(|&v| to(v)).collect()
+    }
+
+    #[test]
+    fn text_checked_once_still_refuses_a_split_character() {
+        let data = "é€x".as_bytes(); // 2 + 3 + 1 bytes
+        let offsets = le(&[0i32, 2, 5, 6], i32::to_le_bytes);
+        let text = |offsets: &'static [u8], data: &'static [u8]| Column {
+            name: "s",
+            values: ColumnValues::Text { offsets, data },
+            validity: None,
+            offset: 0,
+        };
+        let offsets: &'static [u8] = offsets.leak();
+        let mut out = Vec::new();
+        let ends = encode_payloads(&[text(offsets, data)], 3, &mut out).unwrap();
+        assert_eq!(&out[..ends[0]], r#"{"s":"é"}"#.as_bytes());
+        assert_eq!(&out[ends[1]..], r#"{"s":"x"}"#.as_bytes());
+        // An offset inside "€": valid data, but not a value.
+        let split: &'static [u8] = le(&[0i32, 3], i32::to_le_bytes).leak();
+        let err = encode_payloads(&[text(split, data)], 1, &mut Vec::new()).unwrap_err();
+        assert!(err.reason.contains("not UTF-8"), "{err:?}");
+        // Data not UTF-8 as a whole: each value is checked on its own.
+        let bad: &'static [u8] = b"ab\xff";
+        let two: &'static [u8] = le(&[0i32, 1, 2], i32::to_le_bytes).leak();
+        let mut out = Vec::new();
+        encode_payloads(&[text(two, bad)], 2, &mut out).unwrap();
+        assert_eq!(out, br#"{"s":"a"}{"s":"b"}"#);
+        let three: &'static [u8] = le(&[0i32, 1, 2, 3], i32::to_le_bytes).leak();
+        assert!(encode_payloads(&[text(three, bad)], 3, &mut Vec::new()).is_err());
+        // Offsets past the data.
+        let past: &'static [u8] = le(&[0i32, 9], i32::to_le_bytes).leak();
+        assert!(encode_payloads(&[text(past, data)], 1, &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn dates_of_consecutive_rows_follow_each_day() {
+        // Timestamps across midnight and back, and dates of two columns:
+        // each value is its own, whatever the row before it was.
+        let day = 86_400_000_000i64;
+        let ts = le(
+            &[day - 1, day, day - 1, 3 * day + 1, 3 * day + 1],
+            i64::to_le_bytes,
+        );
+        let dates = le(&[0i32, 0, 1, -1, 0], i32::to_le_bytes);
+        let cols = [
+            Column {
+                name: "t",
+                values: ColumnValues::TimestampMicros {
+                    data: &ts,
+                    utc: true,
+                },
+                validity: None,
+                offset: 0,
+            },
+            Column {
+                name: "d",
+                values: ColumnValues::Date32(&dates),
+                validity: None,
+                offset: 0,
+            },
+        ];
+        let mut out = Vec::new();
+        encode_payloads(&cols, 5, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(
+            text,
+            concat!(
+                r#"{"t":"1970-01-01T23:59:59.999999Z","d":"1970-01-01"}"#,
+                r#"{"t":"1970-01-02T00:00:00Z","d":"1970-01-01"}"#,
+                r#"{"t":"1970-01-01T23:59:59.999999Z","d":"1970-01-02"}"#,
+                r#"{"t":"1970-01-04T00:00:00.000001Z","d":"1969-12-31"}"#,
+                r#"{"t":"1970-01-04T00:00:00.000001Z","d":"1970-01-01"}"#,
+            )
+        );
     }
 }
