@@ -210,3 +210,60 @@ def test_aborted_job_reports_the_rows_it_committed(spark: SparkSession, tmp_path
     assert counts["rows_committed_by_failed_partitions"] >= part0
     # Two attempts of partition 0, one copy of each row.
     assert len({r[2] for r in records}) == len(records)
+
+
+def _progress(data_dir: Path, job: str) -> int | None:
+    """Rows the progress hint of partition 0 of ``job`` counts (None: no file)."""
+    path = data_dir / "spark-progress" / job / "0.json"
+    return json.loads(path.read_text())["rows"] if path.exists() else None
+
+
+@pytest.mark.parametrize("sync_interval_ms", [None, 0])
+def test_data_dir_task_hints_only_rows_that_are_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync_interval_ms: int | None
+) -> None:
+    """By default a data_dir task fsyncs once, when its rows are all written
+    (one flush), so its progress hint counts no row before then: a hint that
+    outran the disk would make a retry after a power cut skip lost rows. With
+    ``sync_interval_ms=0`` every chunk is fsynced and the hint follows each."""
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from keyop_messenger.spark import writer
+
+    flushes: list[int] = []
+    real_flush = km.Messenger.flush
+
+    def flush(self: km.Messenger, timeout: float | None = None) -> None:
+        flushes.append(1)
+        real_flush(self, timeout)
+
+    monkeypatch.setattr(km.Messenger, "flush", flush)
+    data_dir = tmp_path / "d"
+    options = {"channel": "c", "payload_type": "t", "data_dir": str(data_dir), "batch_size": "2"}
+    if sync_interval_ms is not None:
+        options["sync_interval_ms"] = str(sync_interval_ms)
+    spec = writer.WriteSpec.from_options(
+        options, StructType([StructField("n", LongType())]), streaming=False
+    )
+    seen: dict[int, int | None] = {}
+
+    def rows(fail_at: int | None) -> Iterator[dict[str, Any]]:
+        for n in range(10):
+            if n == 8:  # chunks [0, 1] and [2, 3] are committed by now
+                seen[n] = _progress(data_dir, "j1" if fail_at is None else "j2")
+            if n == fail_at:
+                raise RuntimeError("task failed")
+            yield {"n": n}
+
+    commit = writer.publish_payloads(spec, rows(None), "j1")
+    assert commit.rows == 10
+    assert seen[8] == (0 if sync_interval_ms is None else 4)
+    assert _progress(data_dir, "j1") == 10
+    assert len(flushes) == 1  # once, at the end
+
+    # A failed task: what it committed is made durable on close, then hinted.
+    with pytest.raises(writer.PartitionError, match="committing 8 rows"):
+        writer.publish_payloads(spec, rows(9), "j2")
+    assert _progress(data_dir, "j2") == 8
+    ids = [r[2] for r in _core.read_channel(str(data_dir), "c")]
+    assert ids == [f"j1:0:{i}" for i in range(10)] + [f"j2:0:{i}" for i in range(8)]

@@ -46,14 +46,16 @@ Write options
       Tasks therefore append one after the other; each first encodes up to 256 MiB
       of its rows (Arrow columns the engine encodes) before it waits, so encoding
       runs in parallel. No other process may keep the directory open meanwhile.
-      ``name`` sets the origin (default: the host name); ``sync_interval_ms`` and
-      ``segment_size_mb`` (or its deprecated name ``compaction_threshold_mb``) are
-      passed to the messenger's storage section.
+      ``name`` sets the origin (default: the host name); ``sync_interval_ms``
+      (default 1000) and ``segment_size_mb`` (or its deprecated name
+      ``compaction_threshold_mb``) are passed to the messenger's storage section.
+      Each task fsyncs once more when its rows are written, before it reports them
+      committed (``sync_interval_ms=0``: every chunk is fsynced too).
 
     Optional: ``service_name``; ``correlation_id`` (one value for every message) or
     ``correlation_id_column`` (a string column whose value becomes each message's
     correlation id; the column stays in the payload); ``batch_size`` (rows per
-    ``publish_batch``, default 1000); ``connect_timeout_s`` (default 10);
+    chunk, default 1000); ``connect_timeout_s`` (default 10);
     ``report_path``: the driver writes there, as JSON, the per-partition counts of
     the commit messages (also on abort, with the partitions that finished).
 

@@ -199,7 +199,8 @@ class _Target:
         service_name: str | None,
         correlation_id: str | None,
     ) -> list[str]:
-        """Publishes a ``_core.PayloadBatch`` (payloads and ids encoded by the engine)."""
+        """Publishes a ``_core.PayloadBatch`` (payloads and ids encoded by the
+        engine); a data directory is given framed batches instead."""
         raise NotImplementedError
 
     def publish_framed(self, batch: Any) -> Any:
@@ -215,6 +216,10 @@ class _Target:
 
     def committed(self, channel: str, prefix: str, rows: int) -> None:
         """Called after each committed chunk: ``rows`` rows of the task are in."""
+
+    def finish(self) -> None:
+        """Makes what the task wrote durable before it reports it committed
+        (raises if it cannot)."""
 
     def close(self) -> None:
         raise NotImplementedError
@@ -328,6 +333,15 @@ class _DirTarget(_Target):
         from ..messenger import Messenger
 
         self.data_dir = data_dir
+        # A task's chunks are not fsynced one by one (unless sync_interval_ms
+        # says so): finish() fsyncs once, before the task reports its rows.
+        # A retried attempt finds what was written by the records' ids, so a
+        # chunk lost to a power cut before that fsync is written again.
+        self.durable = storage.get("sync_interval_ms") == 0
+        storage = {"sync_interval_ms": TASK_SYNC_INTERVAL_MS, **storage}
+        #: (channel, prefix, rows) of the last committed chunk, for the progress hint.
+        self._last: tuple[str, str, int] | None = None
+        self._finished = False
         config = Config.from_dict({"name": name, "storage": {"data_dir": data_dir, **storage}})
         deadline = time.monotonic() + lock_timeout_s
         while True:
@@ -356,16 +370,6 @@ class _DirTarget(_Target):
         return self.messenger.publish_batch(
             channel, items, service_name=service_name, correlation_id=correlation_id, ids=ids
         )
-
-    def publish_encoded(
-        self,
-        channel: str,
-        batch: Any,
-        service_name: str | None,
-        correlation_id: str | None,
-    ) -> list[str]:
-        engine = self.messenger._engine
-        return list(engine.publish_batch(channel, batch, service_name, correlation_id))
 
     def publish_framed(self, batch: Any) -> Any:
         return self.messenger._engine.publish_framed(batch, wait=False)
@@ -404,13 +408,28 @@ class _DirTarget(_Target):
         return rows
 
     def committed(self, channel: str, prefix: str, rows: int) -> None:
+        self._last = (channel, prefix, rows)
+        if self.durable:
+            self._hint()
+
+    def _hint(self) -> None:
+        """Writes the progress hint of the last committed chunk: it shortens
+        a retried attempt's scan (the scan finds later rows by their ids).
+        Not fsynced, unlike the first progress file, and written only once
+        the rows it counts are durable, so it never counts a lost row."""
         from .reader import stream_end
 
-        # A hint that shortens a retried attempt's scan (the scan finds later
-        # rows by their ids): not fsynced, unlike the first progress file.
+        if self._last is None:
+            return
+        channel, prefix, rows = self._last
         self._write_progress(
             self._progress_path(prefix), rows, stream_end(self.data_dir, channel), durable=False
         )
+
+    def finish(self) -> None:
+        self.messenger.flush()
+        self._finished = True
+        self._hint()
 
     @staticmethod
     def _write_progress(path: str, rows: int, offset: int, *, durable: bool = True) -> None:
@@ -424,6 +443,12 @@ class _DirTarget(_Target):
         os.replace(tmp, path)
 
     def close(self) -> None:
+        if not self._finished:
+            # A failed task: what it wrote stays; its hint counts it once durable.
+            try:
+                self.finish()
+            except Exception as exc:  # the task's own error is the one raised
+                log.warning("keyop: fsync of a failed task's rows failed: %s", exc)
         self.messenger.close()
 
 
@@ -454,6 +479,10 @@ def _chunks(
 
 #: How often a data_dir task tries the directory lock while another task holds it.
 LOCK_POLL_S = 0.01
+
+#: The fsync interval of a data_dir task's writes unless ``sync_interval_ms``
+#: is given (the task also fsyncs once at its end, before it reports its rows).
+TASK_SYNC_INTERVAL_MS = 1000
 
 #: Folder of a data directory where data_dir writes keep their progress.
 PROGRESS_DIR = "spark-progress"
@@ -630,6 +659,8 @@ def _publish_chunks(
             raise
         if in_flight is not None:
             settle(*in_flight)
+        if target is not None:
+            target.finish()
     except Exception as exc:
         where = "" if batch_id is None else f" of micro-batch {batch_id}"
         raise PartitionError(
