@@ -253,14 +253,26 @@ pub fn frame_rows(
     validate_name(NameKind::PublishChannel, channel)?;
     let ts = envelope::ts_now();
     let mut buf = Vec::with_capacity(rows * 256);
-    let mut id = String::with_capacity(id_prefix.len() + 20);
+    // `{"v":1,"id":"<prefix>` and `","ts":...,"payload":`: the same for
+    // every record. Each id is the prefix and a number: checking the first
+    // and the last (the longest) checks them all, and none needs escaping.
+    let mut head = Vec::new();
     let mut after_id = Vec::new();
-    for row in 0..rows {
-        id.truncate(0);
-        id.push_str(id_prefix);
-        id.push_str(itoa::Buffer::new().format(first_row + row as u64));
+    if rows > 0 {
+        let last = u64::try_from(rows - 1)
+            .ok()
+            .and_then(|n| first_row.checked_add(n))
+            .ok_or_else(|| {
+                Error::InvalidRecord(envelope::RecordError::Field {
+                    field: "id",
+                    value: format!("{id_prefix}{first_row}"),
+                    reason: format!("{rows} rows from row {first_row} overflow the row numbers"),
+                })
+            })?;
+        let first_id = numbered_id(id_prefix, first_row);
+        envelope::validate_id(&numbered_id(id_prefix, last))?;
         let header = Header {
-            id: &id,
+            id: &first_id,
             ts: ts.as_str(),
             channel,
             origin,
@@ -268,14 +280,20 @@ pub fn frame_rows(
             correlation_id: m.correlation_id,
             service_name: m.service_name,
         };
-        if row == 0 {
-            envelope::validate_header(&header, NameKind::PublishChannel)?;
-            envelope::encode_record_after_id(&mut after_id, &header);
-        } else {
-            envelope::validate_id(&id)?;
-        }
+        envelope::validate_header(&header, NameKind::PublishChannel)?;
+        envelope::encode_record_id(&mut head, id_prefix);
+        head.pop(); // the closing quote: the row number comes first
+        after_id.push(b'"');
+        envelope::encode_record_after_id(&mut after_id, &header);
+    }
+    for row in 0..rows {
         let start = buf.len();
-        envelope::encode_record_id(&mut buf, &id);
+        buf.extend_from_slice(&head);
+        buf.extend_from_slice(
+            itoa::Buffer::new()
+                .format(first_row + row as u64)
+                .as_bytes(),
+        );
         buf.extend_from_slice(&after_id);
         let payload_start = buf.len();
         payload(row, &mut buf)?;

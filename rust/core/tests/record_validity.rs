@@ -278,13 +278,27 @@ fn rows_framed_with_numbered_ids_read_back_with_each_id() {
     assert_eq!(framed.ids().first().as_deref(), Some("job:3:7"));
     assert_eq!(framed.ids().last().as_deref(), Some("job:3:9"));
     assert_eq!(framed.ids().get(3), None);
-    // A prefix that makes an invalid id is refused when framing.
-    assert!(
-        frame_rows("node1", "temps", &header, "bad id:", 0, 1, |_, out| {
-            out.extend_from_slice(b"{}");
-            Ok(())
-        })
-        .is_err()
+    // Ids that are not all valid are refused when framing, all or none: a
+    // prefix with a space; a last id one byte too long (the first fits);
+    // row numbers past u64.
+    let empty = |_: usize, out: &mut Vec<u8>| {
+        out.extend_from_slice(b"{}");
+        Ok(())
+    };
+    assert!(frame_rows("node1", "temps", &header, "bad id:", 0, 1, empty).is_err());
+    let long = "p".repeat(MAX_ID_BYTES - 1);
+    assert!(frame_rows("node1", "temps", &header, &long, 9, 1, empty).is_ok());
+    assert!(matches!(
+        frame_rows("node1", "temps", &header, &long, 9, 2, empty),
+        Err(Error::InvalidRecord(RecordError::Field { field: "id", .. }))
+    ));
+    assert!(frame_rows("node1", "temps", &header, "j:", u64::MAX, 2, empty).is_err());
+    assert_eq!(
+        frame_rows("node1", "temps", &header, "j:", 0, 0, empty)
+            .unwrap()
+            .ids()
+            .len(),
+        0
     );
 
     let dir = tempfile::tempdir().unwrap();
