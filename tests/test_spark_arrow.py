@@ -6,9 +6,11 @@ values as the per-value Python conversion (which it falls back to)."""
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +278,125 @@ def test_data_dir_write_resumes_after_the_rows_a_failed_attempt_committed(
     stored = list(km.read_channel(tmp_path, "c"))
     assert [e.message.id for e in stored] == [f"job1:0:{i}" for i in range(20_000)]
     assert [e.message.payload["n"] for e in stored] == list(range(20_000))
+
+
+def _slow_batches(lo: int, count: int, pulled: list[int] | None = None) -> Any:
+    """``count`` batches of 500 rows of ``n`` from ``lo``, a little apart (as
+    a task's rows come from Spark); each batch pulled is counted in ``pulled``."""
+    for i in range(count):
+        time.sleep(0.003)
+        if pulled is not None:
+            pulled.append(i)
+        start = lo + i * 500
+        yield pa.RecordBatch.from_arrays(
+            [pa.array(range(start, start + 500), pa.int64())], names=["n"]
+        )
+
+
+def _dir_spec(tmp_path: Path, batch_size: int = 500) -> Any:
+    from keyop_messenger.spark.writer import WriteSpec
+
+    options = {"data_dir": str(tmp_path), "channel": "c", "payload_type": "t",
+               "batch_size": str(batch_size)}  # fmt: skip
+    return WriteSpec.from_options(options, StructType([StructField("n", LongType())]),
+                                  streaming=False)  # fmt: skip
+
+
+def test_data_dir_tasks_take_turns_on_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two tasks writing into one data directory at once take turns on its
+    lock: their chunks interleave in the channel (neither waits for the
+    other to finish), and every row is there once, in order within its task."""
+    from keyop_messenger.spark import writer
+
+    monkeypatch.setattr(writer, "MIN_TURN_S", 0.02)
+    monkeypatch.setattr(writer, "TURN_POLL_S", 0.002)
+    tasks = threading.local()
+    monkeypatch.setattr(writer, "_task_info", lambda: (tasks.partition, 0, None, None))
+    spec = _dir_spec(tmp_path)
+    commits: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def task(partition: int) -> None:
+        tasks.partition = partition
+        try:
+            batches = _slow_batches(partition * 100_000, 60)
+            commits[partition] = writer.publish_arrow(spec, batches, "job")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=task, args=(p,)) for p in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    assert [commits[p].rows for p in (0, 1)] == [30_000, 30_000]
+    ids = [e.message.id for e in km.read_channel(tmp_path, "c")]
+    for p in (0, 1):
+        assert [i for i in ids if i.startswith(f"job:{p}:")] == [
+            f"job:{p}:{i}" for i in range(30_000)
+        ]
+    parts = [i.split(":")[1] for i in ids]
+    switches = sum(1 for a, b in itertools.pairwise(parts) if a != b)
+    assert switches >= 3, f"the tasks did not take turns ({switches} switches)"
+
+
+def test_data_dir_task_waiting_for_its_turn_encodes_no_more_than_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task that gave the directory up to another writer which then keeps
+    it encodes ahead up to its budget, then waits for the lock (it does not
+    take the whole partition into memory); it writes everything once the
+    directory is free again."""
+    import fcntl
+
+    from keyop_messenger.errors import DataDirLockedError
+    from keyop_messenger.spark import writer
+
+    monkeypatch.setattr(writer, "ENCODE_AHEAD_BYTES", 20 * 500 * 8)  # about 20 batches
+    monkeypatch.setattr(writer, "MIN_TURN_S", 0.0)
+    spec = _dir_spec(tmp_path)
+    pulled: list[int] = []
+    done: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: done.append(writer.publish_arrow(spec, _slow_batches(0, 100, pulled), "j"))
+    )
+    config = km.Config.from_dict({"storage": {"data_dir": str(tmp_path)}})
+    holder: km.Messenger | None = None
+    thread.start()
+    try:
+        # Another writer waits for its turn (as a task does), then keeps the directory.
+        for _ in range(500):
+            if (tmp_path / "spark-progress" / "waiting.lock").exists():
+                break
+            time.sleep(0.002)
+        with open(tmp_path / "spark-progress" / "waiting.lock", "rb") as waiting:
+            fcntl.flock(waiting, fcntl.LOCK_SH)
+            for _ in range(5000):
+                try:
+                    holder = km.Messenger(config)
+                    break
+                except DataDirLockedError:
+                    time.sleep(0.001)
+        assert holder is not None, "the task never gave the directory up"
+        taken_at = len(pulled)
+        # Wait (bounded) until the task stops pulling batches.
+        last, still = -1, 0
+        for _ in range(300):
+            time.sleep(0.02)
+            still = still + 1 if len(pulled) == last else 0
+            last = len(pulled)
+            if still >= 10:
+                break
+        assert len(pulled) < 100 and len(pulled) - taken_at <= 25, (taken_at, len(pulled))
+    finally:
+        if holder is not None:
+            holder.close()
+        thread.join(60)
+    assert len(pulled) == 100 and done and done[0].rows == 50_000
+    assert [e.message.payload["n"] for e in km.read_channel(tmp_path, "c")] == list(range(50_000))
 
 
 def test_min_partitions_splits_a_read_at_record_boundaries(tmp_path: Path) -> None:

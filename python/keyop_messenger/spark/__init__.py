@@ -40,12 +40,11 @@ Write options
       in a row; the commit message counts these chunks as ``resent`` (each may have
       been stored twice).
     * ``data_dir``: a local data directory (local mode, or executors sharing the
-      machine). A data directory can be open in only one messenger at a time, so each
-      task opens a :class:`~keyop_messenger.Messenger` on it in turn: a task that finds
-      the directory locked retries for up to ``lock_timeout_s`` (default 300) seconds.
-      Tasks therefore append one after the other; each first encodes up to 256 MiB
-      of its rows (Arrow columns the engine encodes) before it waits, so encoding
-      runs in parallel. No other process may keep the directory open meanwhile.
+      machine). A data directory can be open in only one messenger at a time, so tasks
+      take turns on it: the task holding it appends as its rows come, the others
+      encode their rows meanwhile (up to 256 MiB of Arrow data each), and the holder
+      gives the directory up after 0.1 s when another task waits. A task that cannot
+      get the directory waits for up to ``lock_timeout_s`` (default 300) seconds.
       ``name`` sets the origin (default: the host name); ``sync_interval_ms``
       (default 1000) and ``segment_size_mb`` (or its deprecated name
       ``compaction_threshold_mb``) are passed to the messenger's storage section.

@@ -6,8 +6,10 @@ publishing a partition in chunks, commit reports, the batch writer and
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import fcntl
 import itertools
 import json
 import logging
@@ -480,6 +482,18 @@ def _chunks(
 #: How often a data_dir task tries the directory lock while another task holds it.
 LOCK_POLL_S = 0.01
 
+#: How long a data_dir task holds the directory, at least, before it lets
+#: another task waiting for it have a turn (see :class:`_Turns`).
+MIN_TURN_S = 0.1
+
+#: How often, at most, a data_dir task waiting for its turn tries the lock
+#: while it encodes (each try opens the directory: about half a millisecond).
+TURN_POLL_S = 0.02
+
+#: The file in :data:`PROGRESS_DIR` that tasks waiting for the directory lock
+#: hold a shared lock on.
+WAITING_FILE = "waiting.lock"
+
 #: The fsync interval of a data_dir task's writes unless ``sync_interval_ms``
 #: is given (the task also fsyncs once at its end, before it reports its rows).
 TASK_SYNC_INTERVAL_MS = 1000
@@ -576,12 +590,13 @@ def _publish_chunks(
     chunks: Callable[[int], Iterator[_Chunk]],
     job: str | None = None,
     *,
-    ahead: Callable[[str, int, Callable[[int, str | None], str | None]], None] | None = None,
+    framed: _ArrowChunks | None = None,
 ) -> PartitionCommit:
     """Publishes this task's rows, given as ``chunks(skip)`` (the chunks after
     the first ``skip`` rows), as ``spec`` says; returns the task's commit
     message. Opens the target only if ``any_rows``: an empty partition
-    connects to nothing.
+    connects to nothing. ``framed``: the chunks are framed records for a
+    data directory, and the task takes turns on its lock (:class:`_Turns`).
 
     Exactly once for a deterministic input: row ``i`` of partition ``p`` gets
     the id ``<job>:<p>:<i>``, the same on every attempt of the task (``job``
@@ -596,6 +611,7 @@ def _publish_chunks(
     prefix = row_id_prefix(job, partition)
     commit = PartitionCommit(partition, attempt, 0, 0, batch_id=batch_id, job=job)
     target: _Target | None = None
+    turns = _Turns(spec) if any_rows and framed is not None else None
     auto_corr = (
         spec.streaming and spec.correlation_id is None and spec.correlation_id_column is None
     )
@@ -609,15 +625,54 @@ def _publish_chunks(
             return f"spark:{query_id or 'query'}:{batch_id}:{partition}:{index}"
         return spec.correlation_id
 
+    def take_now() -> bool:
+        """Takes the directory lock if it is free (turns only)."""
+        nonlocal target
+        assert turns is not None
+        target = turns.try_take()
+        return target is not None
+
+    # A chunk's append overlaps the encoding of the next (done by the
+    # iterator): each chunk is waited for, and counted, once the next one is
+    # ready, and before the next one is handed over.
+    in_flight: tuple[int, int, Callable[[], _Sent]] | None = None
+    #: Chunks encoded while another task holds the directory (turns only).
+    queue: collections.deque[_Chunk] = collections.deque()
+
+    def settle() -> None:
+        """Waits for the chunk in flight to commit and counts it."""
+        nonlocal in_flight
+        if in_flight is None:
+            return
+        (first, count, wait), in_flight = in_flight, None
+        assert target is not None
+        sent, first_id, last_id = wait()
+        if sent:
+            commit.first_id = commit.first_id or first_id
+            commit.last_id = last_id
+        commit.rows += sent
+        commit.batches += 1
+        target.committed(spec.channel, prefix, first + count)
+
+    def send(chunk: _Chunk) -> None:
+        nonlocal in_flight
+        assert target is not None
+        first, count, key, publish = chunk
+        settle()
+        in_flight = (first, count, publish(target, corr_of(first, key), prefix))
+
     try:
-        if any_rows and ahead is not None:
-            # A data_dir task that finds the directory free takes it and
-            # appends as its rows come; one that finds it taken encodes ahead
-            # meanwhile: tasks encode in parallel and take turns to append.
-            target = spec.free_target()
-            ahead(prefix, 0 if target is not None else ENCODE_AHEAD_BYTES, corr_of)
+        if turns is not None:
+            assert framed is not None
+            # A task that finds the directory free takes it and appends as its
+            # rows come; one that finds it taken encodes ahead meanwhile,
+            # trying the lock after each chunk.
+            if not take_now():
+                framed.ahead(prefix, ENCODE_AHEAD_BYTES, corr_of, take_now)
+            else:
+                framed.ahead(prefix, 0, corr_of, lambda: True)
         if any_rows and target is None:
-            target = spec.target()
+            target = turns.take() if turns is not None else spec.target()
         if target is not None:
             commit.skipped = target.resume(spec.channel, prefix)
             commit.rows = commit.skipped
@@ -629,36 +684,36 @@ def _publish_chunks(
                     attempt,
                     commit.skipped,
                 )
-
-        def settle(first: int, count: int, wait: Callable[[], _Sent]) -> None:
-            """Waits for a chunk's commit and counts it."""
-            assert target is not None
-            sent, first_id, last_id = wait()
-            if sent:
-                commit.first_id = commit.first_id or first_id
-                commit.last_id = last_id
-            commit.rows += sent
-            commit.batches += 1
-            target.committed(spec.channel, prefix, first + count)
-
-        # A chunk's append overlaps the encoding of the next (done by the
-        # iterator): each chunk is waited for, and counted, once the next one
-        # is ready, and before the next one is handed over.
-        in_flight: tuple[int, int, Callable[[], _Sent]] | None = None
         try:
-            for first, count, key, send in chunks(commit.skipped):
-                assert target is not None
-                if in_flight is not None:
-                    previous, in_flight = in_flight, None
-                    settle(*previous)
-                in_flight = (first, count, send(target, corr_of(first, key), prefix))
+            for chunk in chunks(commit.skipped):
+                if turns is None:
+                    send(chunk)
+                    continue
+                assert framed is not None
+                queue.append(chunk)
+                if target is None and not take_now():
+                    if not framed.holds_too_much(sum(c[1] for c in queue)):
+                        continue
+                    target = turns.take()
+                while queue:
+                    send(queue.popleft())
+                if turns.should_yield():
+                    # Another task waits with its rows encoded: its turn.
+                    settle()
+                    target.finish()
+                    target.close()
+                    target = None
+                    turns.gave_up()
+            if queue:
+                assert turns is not None
+                target = target or turns.take()
+                while queue:
+                    send(queue.popleft())
         except BaseException:
-            if in_flight is not None:
-                with contextlib.suppress(Exception):
-                    settle(*in_flight)  # counted if it was committed
+            with contextlib.suppress(Exception):
+                settle()  # counted if it was committed
             raise
-        if in_flight is not None:
-            settle(*in_flight)
+        settle()
         if target is not None:
             target.finish()
     except Exception as exc:
@@ -672,7 +727,81 @@ def _publish_chunks(
         if target is not None:
             commit.resent = getattr(target, "resent", 0)
             target.close()
+        if turns is not None:
+            turns.close()
     return commit
+
+
+class _Turns:
+    """Tasks writing into one data directory take turns on its lock: a task
+    that wants it holds a shared lock on ``spark-progress/waiting.lock``
+    meanwhile, and the holder gives the directory up once it has held it for
+    :data:`MIN_TURN_S` while another task waits (each turn ends with an
+    fsync and costs an open). So the tasks' appends interleave, and the last
+    task to finish encoding has only its last turn's rows left to append."""
+
+    def __init__(self, spec: WriteSpec) -> None:
+        assert spec.data_dir is not None
+        self.spec = spec
+        folder = os.path.join(spec.data_dir, PROGRESS_DIR)
+        os.makedirs(folder, exist_ok=True)
+        self.fd = os.open(
+            os.path.join(folder, WAITING_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
+        )
+        self.waiting = False
+        self.since = 0.0
+        #: When try_take() may next try the lock (each try opens the directory).
+        self.next_try = 0.0
+
+    def wait(self) -> None:
+        """Says this task waits for the directory."""
+        if not self.waiting:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+            self.waiting = True
+
+    def gave_up(self) -> None:
+        """Called when this task gave the directory up for another: it waits
+        for it now, and lets the other take it first."""
+        self.wait()
+        self.next_try = time.monotonic() + 2 * TURN_POLL_S
+
+    def _taken(self, target: _Target) -> _Target:
+        if self.waiting:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self.waiting = False
+        self.since = time.monotonic()
+        return target
+
+    def try_take(self) -> _Target | None:
+        """The directory's target if its lock is free now, else None (and
+        this task is counted as waiting)."""
+        self.wait()
+        now = time.monotonic()
+        if now < self.next_try:
+            return None
+        self.next_try = now + TURN_POLL_S
+        target = self.spec.free_target()
+        return self._taken(target) if target is not None else None
+
+    def take(self) -> _Target:
+        """The directory's target, waiting for its lock (``lock_timeout_s``)."""
+        self.wait()
+        return self._taken(self.spec.target())
+
+    def should_yield(self) -> bool:
+        """Whether the holder should give the directory up: held for
+        :data:`MIN_TURN_S`, and another task waits."""
+        if time.monotonic() - self.since < MIN_TURN_S:
+            return False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
+
+    def close(self) -> None:
+        os.close(self.fd)  # releases its lock too
 
 
 def _progress_rows(data_dir: str, job: str, skip: set[int]) -> dict[int, int]:
@@ -778,8 +907,8 @@ def publish_arrow(
         return _publish_chunks(spec, False, lambda skip: iter(()), job)
     if spec.correlation_id_column is None and encoder.arrow_columns(head) is not None:
         chunks = _ArrowChunks(spec, itertools.chain([head], it))
-        ahead = ENCODE_AHEAD_BYTES if spec.data_dir is not None else 0
-        return _publish_chunks(spec, True, chunks, job, ahead=chunks.ahead if ahead else None)
+        framed = chunks if spec.data_dir is not None else None
+        return _publish_chunks(spec, True, chunks, job, framed=framed)
     return publish_payloads(
         spec, (p for b in itertools.chain([head], it) for p in encoder.from_arrow(b)), job
     )
@@ -810,6 +939,8 @@ class _ArrowChunks:
         self.ready: list[tuple[int, int, list[Any], str | None, Any]] = []
         self.prefix: str | None = None
         self.corr_of: Callable[[int, str | None], str | None] | None = None
+        #: Arrow bytes per row, the most of any batch so far.
+        self.row_bytes = 0.0
 
     def _cut(self, batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, int, list[Any], int]]:
         """(first row, rows, columns, Arrow bytes) of each chunk, in order."""
@@ -820,6 +951,7 @@ class _ArrowChunks:
             if whole is None:  # a later batch with other types (Spark sends one schema)
                 raise TypeError(f"keyop: Arrow batch of unexpected types: {batch.schema}")
             per_row = batch.nbytes / max(n, 1)
+            self.row_bytes = max(self.row_bytes, per_row)
             for lo in range(0, n, self.spec.batch_size):
                 size = min(self.spec.batch_size, n - lo)
                 columns = [(c[0], c[1], c[2] + lo, *c[3:]) for c in whole]
@@ -843,11 +975,16 @@ class _ArrowChunks:
         )
 
     def ahead(
-        self, prefix: str, budget: int, corr_of: Callable[[int, str | None], str | None]
+        self,
+        prefix: str,
+        budget: int,
+        corr_of: Callable[[int, str | None], str | None],
+        stop: Callable[[], bool],
     ) -> None:
         """Encodes chunks (ids of ``prefix``, correlation ids by ``corr_of``)
-        until ``budget`` bytes of Arrow data are encoded or the batches end;
-        the chunks after those are encoded as they are iterated."""
+        until ``budget`` bytes of Arrow data are encoded, ``stop()`` (asked
+        after each chunk) is true, or the batches end; the chunks after
+        those are encoded as they are iterated."""
         self.prefix, self.corr_of = prefix, corr_of
         used = 0
         while used < budget:
@@ -859,6 +996,14 @@ class _ArrowChunks:
             encoded = self._encode(columns, size, prefix, first, corr)
             self.ready.append((first, size, columns, corr, encoded))
             used += nbytes
+            if stop():
+                return
+
+    def holds_too_much(self, rows: int) -> bool:
+        """Whether ``rows`` rows encoded and waiting for the directory are
+        as much Arrow data as :data:`ENCODE_AHEAD_BYTES` (then the task
+        waits for the lock instead of encoding more)."""
+        return rows * self.row_bytes >= ENCODE_AHEAD_BYTES
 
     def __call__(self, skip: int) -> Iterator[_Chunk]:
         pending, self.ready = self.ready, []
