@@ -8,7 +8,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use crate::storage::quarantine::{decode_stored, quarantine, split_point};
+use crate::storage::quarantine::{decode_stored_ref, quarantine, split_point};
 use crate::storage::{Item, LogReader};
 use crate::Error;
 
@@ -171,7 +171,7 @@ impl ColumnReader {
                 }
                 _ => continue,
             };
-            let e = match decode_stored(&line) {
+            let e = match decode_stored_ref(&line) {
                 Ok(e) => e,
                 Err(reason) => {
                     let bad = split_point(&line).unwrap_or(line.len());
@@ -194,7 +194,7 @@ impl ColumnReader {
                 .push(e.service_name.as_deref().map(str::as_bytes));
             cols.correlation_id
                 .push(e.correlation_id.as_deref().map(str::as_bytes));
-            cols.payload.push_line(e.payload.get().as_bytes());
+            cols.payload.push_line(e.payload.as_bytes());
         }
         if cols.rows == 0 {
             return Ok(self

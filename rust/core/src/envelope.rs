@@ -13,6 +13,7 @@
 //! [`decode_valid`]): every way in (local publish, federation, a gateway)
 //! applies these rules, so nothing is stored that a reader would refuse.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Mutex;
@@ -715,25 +716,109 @@ pub struct Envelope {
     pub payload: Box<RawValue>,
 }
 
+/// An envelope decoded without copying its fields out of the line
+/// ([`EnvelopeRef::decode`]; [`Envelope::decode`] owns them, by the same
+/// rules): for readers that copy the fields elsewhere at once.
+pub struct EnvelopeRef<'a> {
+    pub id: Cow<'a, str>,
+    pub ts: Cow<'a, str>,
+    /// `ts` as nanoseconds since the Unix epoch.
+    pub ts_nanos: i64,
+    pub channel: Cow<'a, str>,
+    pub origin: Cow<'a, str>,
+    pub payload_type: Cow<'a, str>,
+    pub correlation_id: Option<Cow<'a, str>>,
+    pub service_name: Option<Cow<'a, str>>,
+    /// The payload's JSON text; never holds a raw `\n` or `\r`.
+    pub payload: Cow<'a, str>,
+}
+
+/// A record's fields as read; `P` holds the payload (owned or borrowed).
 #[derive(serde::Deserialize)]
-struct Wire<'a> {
+struct Wire<'a, P> {
     #[serde(default)]
     v: Option<serde_json::Number>,
     #[serde(default, borrow)]
-    id: std::borrow::Cow<'a, str>,
+    id: Cow<'a, str>,
     #[serde(default, borrow)]
-    ts: std::borrow::Cow<'a, str>,
+    ts: Cow<'a, str>,
     #[serde(default, borrow)]
-    channel: std::borrow::Cow<'a, str>,
+    channel: Cow<'a, str>,
     #[serde(default, borrow)]
-    origin: std::borrow::Cow<'a, str>,
+    origin: Cow<'a, str>,
     #[serde(default, borrow)]
-    payload_type: std::borrow::Cow<'a, str>,
+    payload_type: Cow<'a, str>,
     #[serde(default, borrow)]
-    correlation_id: Option<std::borrow::Cow<'a, str>>,
+    correlation_id: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
-    service_name: Option<std::borrow::Cow<'a, str>>,
-    payload: Option<Box<RawValue>>,
+    service_name: Option<Cow<'a, str>>,
+    payload: Option<P>,
+}
+
+/// The reader rules of keyop-messenger 1.4 (see [`Envelope::decode`]): the
+/// fields of `line` and its timestamp in nanoseconds.
+fn decode_wire<'a, P: serde::Deserialize<'a>>(
+    line: &'a [u8],
+) -> Result<(Wire<'a, P>, i64), DecodeError> {
+    // One UTF-8 check of the whole line is much cheaper than one per
+    // string; a line with stray non-UTF-8 bytes gets the per-string rules.
+    // A JSON array would fill the fields by position (serde accepts both
+    // forms for a struct); 1.4 readers accept objects only.
+    if line.trim_ascii_start().first() != Some(&b'{') {
+        return Err(DecodeError::Json(serde::de::Error::custom(
+            "an envelope must be a JSON object",
+        )));
+    }
+    let w: Wire<'a, P> = match std::str::from_utf8(line) {
+        Ok(text) => serde_json::from_str(text)?,
+        Err(_) => serde_json::from_slice(line)?,
+    };
+    match &w.v {
+        Some(n) if n.as_u64() == Some(ENVELOPE_VERSION) => {}
+        other => {
+            return Err(DecodeError::Version(
+                other.as_ref().map_or("(missing)".into(), |n| n.to_string()),
+            ))
+        }
+    }
+    let ts_nanos = parse_ts_nanos(&w.ts).ok_or_else(|| DecodeError::Timestamp(w.ts.to_string()))?;
+    Ok((w, ts_nanos))
+}
+
+/// A raw line break in valid JSON can only be whitespace between tokens
+/// (strings hold them escaped). Kept, it would split the record
+/// [`Envelope::encode`] makes of a payload into several lines.
+fn has_line_break(json: &str) -> bool {
+    memchr::memchr2(b'\n', b'\r', json.as_bytes()).is_some()
+}
+
+/// An optional text field: absent when missing or empty.
+fn non_empty(field: Option<Cow<'_, str>>) -> Option<Cow<'_, str>> {
+    field.filter(|c| !c.is_empty())
+}
+
+impl<'a> EnvelopeRef<'a> {
+    /// Decodes one line (without its `\n`) as [`Envelope::decode`] does,
+    /// borrowing what needs no unescaping.
+    pub fn decode(line: &'a [u8]) -> Result<EnvelopeRef<'a>, DecodeError> {
+        let (w, ts_nanos) = decode_wire::<&'a RawValue>(line)?;
+        let payload = match w.payload {
+            Some(p) if has_line_break(p.get()) => Cow::Owned(p.get().replace(['\n', '\r'], " ")),
+            Some(p) => Cow::Borrowed(p.get()),
+            None => Cow::Borrowed("null"),
+        };
+        Ok(EnvelopeRef {
+            id: w.id,
+            ts: w.ts,
+            ts_nanos,
+            channel: w.channel,
+            origin: w.origin,
+            payload_type: w.payload_type,
+            correlation_id: non_empty(w.correlation_id),
+            service_name: non_empty(w.service_name),
+            payload,
+        })
+    }
 }
 
 impl Envelope {
@@ -743,43 +828,14 @@ impl Envelope {
     /// payload is `null`. Line breaks between the payload's JSON tokens become
     /// spaces, so [`Envelope::encode`] always makes one line.
     pub fn decode(line: &[u8]) -> Result<Envelope, DecodeError> {
-        // One UTF-8 check of the whole line is much cheaper than one per
-        // string; a line with stray non-UTF-8 bytes gets the per-string rules.
-        // A JSON array would fill the fields by position (serde accepts both
-        // forms for a struct); 1.4 readers accept objects only.
-        if line.trim_ascii_start().first() != Some(&b'{') {
-            return Err(DecodeError::Json(serde::de::Error::custom(
-                "an envelope must be a JSON object",
-            )));
-        }
-        let w: Wire<'_> = match std::str::from_utf8(line) {
-            Ok(text) => serde_json::from_str(text)?,
-            Err(_) => serde_json::from_slice(line)?,
-        };
-        match &w.v {
-            Some(n) if n.as_u64() == Some(ENVELOPE_VERSION) => {}
-            other => {
-                return Err(DecodeError::Version(
-                    other.as_ref().map_or("(missing)".into(), |n| n.to_string()),
-                ))
-            }
-        }
-        let ts_nanos =
-            parse_ts_nanos(&w.ts).ok_or_else(|| DecodeError::Timestamp(w.ts.to_string()))?;
+        let (w, ts_nanos) = decode_wire::<Box<RawValue>>(line)?;
         let payload = match w.payload {
-            // A raw line break in valid JSON can only be whitespace between
-            // tokens (strings hold them escaped). Kept, it would split the
-            // record `encode` makes of this envelope into several lines, so
-            // it becomes a space.
-            Some(p) if memchr::memchr2(b'\n', b'\r', p.get().as_bytes()).is_some() => {
+            Some(p) if has_line_break(p.get()) => {
                 RawValue::from_string(p.get().replace(['\n', '\r'], " "))
                     .expect("whitespace replaced by whitespace is still JSON")
             }
             Some(p) => p,
             None => RawValue::from_string("null".into()).expect("null is JSON"),
-        };
-        let opt = |o: Option<std::borrow::Cow<'_, str>>| {
-            o.map(|c| c.into_owned()).filter(|c| !c.is_empty())
         };
         Ok(Envelope {
             id: w.id.into_owned(),
@@ -788,8 +844,8 @@ impl Envelope {
             channel: w.channel.into_owned(),
             origin: w.origin.into_owned(),
             payload_type: w.payload_type.into_owned(),
-            correlation_id: opt(w.correlation_id),
-            service_name: opt(w.service_name),
+            correlation_id: non_empty(w.correlation_id).map(Cow::into_owned),
+            service_name: non_empty(w.service_name).map(Cow::into_owned),
             payload,
         })
     }

@@ -9,7 +9,8 @@
 //! * The handshake parser (`serde_json::from_slice::<Handshake>`) never
 //!   panics, and handshakes round-trip.
 //! * `Envelope::decode` never panics (arbitrary bytes and mutated lines), and
-//!   `decode(encode(e)) == e` with `encode(decode(line)) == line`.
+//!   `decode(encode(e)) == e` with `encode(decode(line)) == line`;
+//!   `EnvelopeRef::decode` (borrowing) accepts the same lines with the same fields.
 //! * Torn tail: for complete records spread over one to three segments plus
 //!   an arbitrary fragment at the end of the last one, readers never return
 //!   the fragment; opening an `Engine` cuts exactly the fragment; a reader
@@ -21,7 +22,7 @@
 use std::fs;
 use std::path::Path;
 
-use keyop_core::envelope::{encode_record, format_ts, Header};
+use keyop_core::envelope::{encode_record, format_ts, EnvelopeRef, Header};
 use keyop_core::federation::wire::{push_record, split_batch, Handshake};
 use keyop_core::storage::{Item, LogReader};
 use keyop_core::{read_channel, Engine, Envelope, Outgoing, StoreConfig};
@@ -310,6 +311,27 @@ proptest! {
             prop_assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
             let again = Envelope::decode(&line[..line.len() - 1]).expect("re-decode");
             prop_assert_eq!(again.encode(), line);
+        }
+    }
+
+    #[test]
+    fn borrowed_decode_agrees_with_owned_decode(
+        bytes in prop_oneof![vec(any::<u8>(), 0..300), mutated_line(), record_line()]
+    ) {
+        match (Envelope::decode(&bytes), EnvelopeRef::decode(&bytes)) {
+            (Ok(owned), Ok(borrowed)) => {
+                prop_assert_eq!(&owned.id, &borrowed.id);
+                prop_assert_eq!(&owned.ts, &borrowed.ts);
+                prop_assert_eq!(owned.ts_nanos, borrowed.ts_nanos);
+                prop_assert_eq!(&owned.channel, &borrowed.channel);
+                prop_assert_eq!(&owned.origin, &borrowed.origin);
+                prop_assert_eq!(&owned.payload_type, &borrowed.payload_type);
+                prop_assert_eq!(owned.correlation_id.as_deref(), borrowed.correlation_id.as_deref());
+                prop_assert_eq!(owned.service_name.as_deref(), borrowed.service_name.as_deref());
+                prop_assert_eq!(owned.payload.get(), &*borrowed.payload);
+            }
+            (Err(a), Err(b)) => prop_assert_eq!(a.to_string(), b.to_string()),
+            (a, b) => prop_assert!(false, "owned {:?} but borrowed {:?}", a.is_ok(), b.is_ok()),
         }
     }
 

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::segment;
-use crate::envelope::{check_payload_depth, Envelope};
+use crate::envelope::{check_payload_depth, Envelope, EnvelopeRef};
 
 /// Directory under `data_dir` holding quarantined records.
 pub const QUARANTINE_DIR: &str = "quarantine";
@@ -120,6 +120,13 @@ pub fn quarantine(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8], rea
 pub fn decode_stored(line: &[u8]) -> Result<Envelope, String> {
     let env = Envelope::decode(line).map_err(|e| format!("unreadable record: {e}"))?;
     check_payload_depth(env.payload.get().as_bytes()).map_err(|e| e.to_string())?;
+    Ok(env)
+}
+
+/// [`decode_stored`] borrowing the fields from `line` ([`EnvelopeRef`]).
+pub fn decode_stored_ref(line: &[u8]) -> Result<EnvelopeRef<'_>, String> {
+    let env = EnvelopeRef::decode(line).map_err(|e| format!("unreadable record: {e}"))?;
+    check_payload_depth(env.payload.as_bytes()).map_err(|e| e.to_string())?;
     Ok(env)
 }
 
