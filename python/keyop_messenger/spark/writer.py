@@ -376,37 +376,18 @@ class _DirTarget(_Target):
     def publish_framed(self, batch: Any) -> Any:
         return self.messenger._engine.publish_framed(batch, wait=False)
 
-    # Progress of a task: ``<data_dir>/spark-progress/<job>/<partition>.json``,
-    # ``{"rows": n, "offset": o}``: ``n`` rows were committed and every later
-    # record of the task is at or after the global offset ``o``. Written under
-    # the directory lock before the first chunk and after each chunk; the job's
-    # folder is removed when the job commits.
     def _progress_path(self, prefix: str) -> str:
-        job, partition = prefix.rstrip(":").rsplit(":", 1)
-        return os.path.join(self.data_dir, PROGRESS_DIR, job, f"{partition}.json")
+        return _progress_path(self.data_dir, prefix)
 
     def resume(self, channel: str, prefix: str) -> int:
-        from .. import _core
         from .reader import stream_end
 
-        path = self._progress_path(prefix)
-        try:
-            with open(path, encoding="utf-8") as f:
-                progress = json.load(f)
-            rows, offset = int(progress["rows"]), int(progress["offset"])
-        except FileNotFoundError:
+        rows = _committed_rows(self.data_dir, channel, prefix)
+        if rows is None:
             # First attempt (or an attempt that died before its first chunk):
             # nothing of the task is before the current end.
-            rows, offset = 0, stream_end(self.data_dir, channel)
-            self._write_progress(path, rows, offset)
+            self._write_progress(self._progress_path(prefix), 0, stream_end(self.data_dir, channel))
             return 0
-        if not os.path.isdir(os.path.join(self.data_dir, "channels", channel)):
-            return rows
-        # Chunks committed after the last progress write: their ids say which rows.
-        for record in _core.read_channel(self.data_dir, channel, offset, skip_gaps=True):
-            rid = record[2]
-            if rid.startswith(prefix):
-                rows = max(rows, int(rid[len(prefix) :]) + 1)
         return rows
 
     def committed(self, channel: str, prefix: str, rows: int) -> None:
@@ -804,9 +785,44 @@ class _Turns:
         os.close(self.fd)  # releases its lock too
 
 
-def _progress_rows(data_dir: str, job: str, skip: set[int]) -> dict[int, int]:
-    """Rows committed per partition of ``job`` according to its progress
-    files (partitions in ``skip`` left out)."""
+# Progress of a task: ``<data_dir>/spark-progress/<job>/<partition>.json``,
+# ``{"rows": n, "offset": o}``: ``n`` rows were committed (and are durable)
+# and every later record of the task is at or after the global offset ``o``.
+# Written under the directory lock before the first chunk, then whenever what
+# the task wrote is durable (the end of a turn, the end of the task); the
+# job's folder is removed when the job commits.
+def _progress_path(data_dir: str, prefix: str) -> str:
+    """The progress file of the task whose ids start with ``prefix``."""
+    job, partition = prefix.rstrip(":").rsplit(":", 1)
+    return os.path.join(data_dir, PROGRESS_DIR, job, f"{partition}.json")
+
+
+def _committed_rows(data_dir: str, channel: str, prefix: str) -> int | None:
+    """Rows of the task whose ids start with ``prefix`` that are in the
+    channel: its progress file's count, or more when records of later rows
+    follow the file's offset (found by their ids). None without a progress
+    file (the task never held the directory)."""
+    from .. import _core
+
+    try:
+        with open(_progress_path(data_dir, prefix), encoding="utf-8") as f:
+            progress = json.load(f)
+    except FileNotFoundError:
+        return None
+    rows, offset = int(progress["rows"]), int(progress["offset"])
+    if not os.path.isdir(os.path.join(data_dir, "channels", channel)):
+        return rows
+    for record in _core.read_channel(data_dir, channel, offset, skip_gaps=True):
+        rid = record[2]
+        if rid.startswith(prefix):
+            rows = max(rows, int(rid[len(prefix) :]) + 1)
+    return rows
+
+
+def _progress_rows(data_dir: str, channel: str, job: str, skip: set[int]) -> dict[int, int]:
+    """Rows committed per partition of ``job`` that has a progress file
+    (partitions in ``skip`` left out): the file's count and the later rows
+    found in the channel by their ids (:func:`_committed_rows`)."""
     folder = os.path.join(data_dir, PROGRESS_DIR, job)
     found: dict[int, int] = {}
     try:
@@ -818,10 +834,11 @@ def _progress_rows(data_dir: str, job: str, skip: set[int]) -> dict[int, int]:
         if ext != ".json" or not stem.isdigit() or int(stem) in skip:
             continue
         try:
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                found[int(stem)] = int(json.load(f)["rows"])
+            rows = _committed_rows(data_dir, channel, row_id_prefix(job, int(stem)))
         except (OSError, ValueError, KeyError):
             continue
+        if rows is not None:
+            found[int(stem)] = rows
     return found
 
 
@@ -839,8 +856,9 @@ def report(
     row of the DataFrame). A channel is an append-only log: an aborted job
     cannot take back what its tasks committed, so its report also counts, in
     ``rows_committed_by_failed_partitions``, what the failed tasks had
-    committed (known for ``data_dir`` writes from their progress files; None
-    through a hub, where each failed task's error says it). A retried job
+    committed (known for ``data_dir`` writes from their progress files and
+    the ids after them; None through a hub, where each failed task's error
+    says it). A retried job
     writes the same message ids again, so a hub drops those rows and a
     ``data_dir`` write resumes after them (when the job is replayed, as a
     streaming micro-batch is after a restart)."""
@@ -851,7 +869,9 @@ def report(
     if spec.data_dir is not None:
         finished = {m.partition_id for m in done}
         partial = sum(
-            n for j in jobs for n in _progress_rows(spec.data_dir, j, finished).values()
+            n
+            for j in jobs
+            for n in _progress_rows(spec.data_dir, spec.channel, j, finished).values()
         )
         # A streaming micro-batch that aborts may be replayed with the same job:
         # its progress stays; every other job's goes.
