@@ -8,6 +8,19 @@ use keyop_core::envelope::{
 };
 use keyop_core::{Error, NameKind};
 
+/// Every record committed to `channel` of `engine`, decoded.
+fn stored(engine: &keyop_core::Engine, channel: &str) -> Vec<keyop_core::Envelope> {
+    let end = engine.store().writer(channel).unwrap().committed_end();
+    let (mut reader, _) = engine.read(channel, 0).unwrap();
+    let mut got = Vec::new();
+    while let Some(item) = reader.next_item(end).unwrap() {
+        if let keyop_core::storage::Item::Record { line, .. } = item {
+            got.push(keyop_core::Envelope::decode(&line).unwrap());
+        }
+    }
+    got
+}
+
 /// A durable engine named `node1` over `data_dir`.
 fn open_node1(data_dir: &std::path::Path) -> keyop_core::Engine {
     keyop_core::Engine::open(
@@ -195,7 +208,7 @@ fn local_publish_refuses_invalid_records_before_writing() {
 /// append them: they carry its name as their origin.
 #[test]
 fn framed_batches_are_checked_when_framed_and_appended_only_by_their_origin() {
-    use keyop_core::{frame_batch, Envelope};
+    use keyop_core::frame_batch;
     let item = |payload: &'static str| Outgoing {
         payload_type: "t",
         payload_json: payload.as_bytes(),
@@ -234,14 +247,7 @@ fn framed_batches_are_checked_when_framed_and_appended_only_by_their_origin() {
     )
     .unwrap();
     assert_eq!(engine.publish_framed(&framed).unwrap(), 0);
-    let end = engine.store().writer("temps").unwrap().committed_end();
-    let (mut reader, _) = engine.read("temps", 0).unwrap();
-    let mut got = Vec::new();
-    while let Some(item) = reader.next_item(end).unwrap() {
-        if let keyop_core::storage::Item::Record { line, .. } = item {
-            got.push(Envelope::decode(&line).unwrap());
-        }
-    }
+    let got = stored(&engine, "temps");
     let ids_read: Vec<_> = got.iter().map(|e| e.id.as_str()).collect();
     assert_eq!(ids_read, ["job:0:0", "job:0:1"]);
     assert!(got
@@ -262,7 +268,7 @@ fn framed_batches_are_checked_when_framed_and_appended_only_by_their_origin() {
 /// give each id back, and the receipt of a submitted batch names its last.
 #[test]
 fn rows_framed_with_numbered_ids_read_back_with_each_id() {
-    use keyop_core::{frame_rows, Envelope};
+    use keyop_core::frame_rows;
     let header = Outgoing {
         payload_type: "t",
         payload_json: b"",
@@ -306,14 +312,7 @@ fn rows_framed_with_numbered_ids_read_back_with_each_id() {
     let submitted = engine.submit_framed(&framed).unwrap().unwrap();
     assert_eq!(submitted.id, "job:3:9");
     assert_eq!(submitted.wait().unwrap().offset, 0);
-    let end = engine.store().writer("temps").unwrap().committed_end();
-    let (mut reader, _) = engine.read("temps", 0).unwrap();
-    let mut got = Vec::new();
-    while let Some(item) = reader.next_item(end).unwrap() {
-        if let keyop_core::storage::Item::Record { line, .. } = item {
-            got.push(Envelope::decode(&line).unwrap());
-        }
-    }
+    let got = stored(&engine, "temps");
     let ids: Vec<_> = got.iter().map(|e| e.id.as_str()).collect();
     assert_eq!(ids, ["job:3:7", "job:3:8", "job:3:9"]);
     assert!(got
