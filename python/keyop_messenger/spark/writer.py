@@ -617,8 +617,10 @@ def _publish_chunks(
     # iterator): each chunk is waited for, and counted, once the next one is
     # ready, and before the next one is handed over.
     in_flight: tuple[int, int, Callable[[], _Sent]] | None = None
-    #: Chunks encoded while another task holds the directory (turns only).
+    #: Chunks encoded while another task holds the directory (turns only),
+    #: and their rows.
     queue: collections.deque[_Chunk] = collections.deque()
+    queued_rows = 0
 
     def settle() -> None:
         """Waits for the chunk in flight to commit and counts it."""
@@ -641,6 +643,12 @@ def _publish_chunks(
         first, count, key, publish = chunk
         settle()
         in_flight = (first, count, publish(target, corr_of(first, key), prefix))
+
+    def send_queued() -> None:
+        nonlocal queued_rows
+        while queue:
+            send(queue.popleft())
+        queued_rows = 0
 
     try:
         if turns is not None:
@@ -672,12 +680,12 @@ def _publish_chunks(
                     continue
                 assert framed is not None
                 queue.append(chunk)
+                queued_rows += chunk[1]
                 if target is None and not take_now():
-                    if not framed.holds_too_much(sum(c[1] for c in queue)):
+                    if not framed.holds_too_much(queued_rows):
                         continue
                     target = turns.take()
-                while queue:
-                    send(queue.popleft())
+                send_queued()
                 if turns.should_yield():
                     # Another task waits with its rows encoded: its turn.
                     settle()
@@ -688,8 +696,7 @@ def _publish_chunks(
             if queue:
                 assert turns is not None
                 target = target or turns.take()
-                while queue:
-                    send(queue.popleft())
+                send_queued()
         except BaseException:
             with contextlib.suppress(Exception):
                 settle()  # counted if it was committed
