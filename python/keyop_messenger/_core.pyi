@@ -28,6 +28,7 @@ __all__ = [
     "keygen_ca",
     "keygen_instance",
     "loss_counts",
+    "parse_payload_fields",
     "read_channel",
     "read_columns",
     "read_stats",
@@ -377,6 +378,9 @@ def read_columns(
     skip_gaps: bool = False,
     batch_rows: int = 8192,
 ) -> ColumnIter: ...
+def parse_payload_fields(
+    data: bytes, rows: int, fields: Sequence[tuple[str, str]]
+) -> list[tuple[bytes, bytes | None, bytes | None, int]] | None: ...
 def encode_columns(
     payload_type: str,
     columns: Sequence[_ColumnSpec],

@@ -1,8 +1,9 @@
 //! Records as columns, for readers and writers that work in Arrow batches
 //! (the Spark data source): [`ColumnReader`] reads the records of a byte
 //! range of a channel into column buffers laid out as Arrow's (offsets, data,
-//! validity bitmaps), and [`encode_payloads`] turns columns given in that
-//! layout into one JSON object per row. No Arrow library is involved: the
+//! validity bitmaps), [`parse_payload_fields`] parses payloads' top-level
+//! fields into such buffers, and [`encode_payloads`] turns columns given in
+//! that layout into one JSON object per row. No Arrow library is involved: the
 //! buffers are plain bytes the caller wraps (pyarrow's `Array.from_buffers`).
 
 use std::io;
@@ -11,6 +12,9 @@ use std::path::{Path, PathBuf};
 use crate::storage::quarantine::{decode_stored_ref, quarantine, split_point};
 use crate::storage::{Item, LogReader};
 use crate::Error;
+
+mod parse;
+pub use parse::{parse_payload_fields, parse_timestamp, FieldColumn, FieldKind};
 
 /// A column of optional UTF-8 values in Arrow's layout: `offsets` (`i32`,
 /// one more than rows), `data`, and a validity bitmap (bit set: not null).

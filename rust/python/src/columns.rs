@@ -4,7 +4,10 @@
 
 use std::path::PathBuf;
 
-use keyop_core::columns::{Column, ColumnBatch, ColumnReader, ColumnValues, TextColumn};
+use keyop_core::columns::{
+    parse_payload_fields as parse_fields, Column, ColumnBatch, ColumnReader, ColumnValues,
+    FieldKind, TextColumn,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
@@ -337,4 +340,64 @@ pub fn read_columns(
         skip_gaps,
         batch_rows: batch_rows.max(1),
     })
+}
+
+/// Parses `rows` payloads, the JSON values of `data` (a `read_columns`
+/// payload column's data), into one column per `(name, kind)` of `fields`,
+/// `kind` one of `utf8`, `bool`, `int8`..`int64`, `float32`, `float64`,
+/// `timestamp_utc` (microseconds). Each column is `(data, offsets or None,
+/// validity or None, null count)` in Arrow's layout. `None` when some value
+/// is not a plain one of its kind (`keyop_core::columns::parse_payload_fields`):
+/// the caller's general conversion then decides.
+#[pyfunction]
+pub fn parse_payload_fields<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    rows: usize,
+    fields: Vec<(String, String)>,
+) -> PyResult<Option<Vec<Bound<'py, PyTuple>>>> {
+    let mut specs = Vec::with_capacity(fields.len());
+    for (name, kind) in &fields {
+        let kind = match kind.as_str() {
+            "utf8" => FieldKind::Text,
+            "bool" => FieldKind::Bool,
+            "int8" | "int16" | "int32" | "int64" => {
+                FieldKind::Int(kind[3..].parse::<usize>().unwrap_or(64) / 8)
+            }
+            "float32" | "float64" => FieldKind::Float(kind[5..].parse::<usize>().unwrap_or(64) / 8),
+            "timestamp_utc" => FieldKind::TimestampMicros,
+            other => {
+                return Err(new_err(
+                    py,
+                    Kind::PayloadType,
+                    format!("field {name:?}: kind {other:?} not supported"),
+                ))
+            }
+        };
+        specs.push((name.as_str(), kind));
+    }
+    let Some(columns) = py.detach(|| parse_fields(data, rows, &specs)) else {
+        return Ok(None);
+    };
+    let none = || py.None().into_bound(py);
+    let tuples = columns
+        .iter()
+        .map(|c| {
+            let offsets = (c.kind == FieldKind::Text).then(|| {
+                let b: Vec<u8> = c.offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+                PyBytes::new(py, &b).into_any()
+            });
+            let validity = (c.nulls > 0).then(|| PyBytes::new(py, &c.validity).into_any());
+            PyTuple::new(
+                py,
+                [
+                    PyBytes::new(py, &c.data).into_any(),
+                    offsets.unwrap_or_else(none),
+                    validity.unwrap_or_else(none),
+                    c.nulls.into_pyobject(py)?.into_any(),
+                ],
+            )
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(Some(tuples))
 }

@@ -1721,6 +1721,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(columns::encode_columns, m)?)?;
     m.add_function(wrap_pyfunction!(columns::encode_records, m)?)?;
     m.add_function(wrap_pyfunction!(columns::read_columns, m)?)?;
+    m.add_function(wrap_pyfunction!(columns::parse_payload_fields, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_position, m)?)?;
     m.add_function(wrap_pyfunction!(read_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
