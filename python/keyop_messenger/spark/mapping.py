@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
 
 
-
 _UTC = datetime.timezone.utc
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=_UTC)
 
@@ -71,8 +70,10 @@ def _parse_timestamp(text: str, *, keep_zone: bool) -> datetime.datetime | None:
         sign = 1 if zone[0] == "+" else -1
         digits = zone[1:].replace(":", "")
         delta = datetime.timedelta(hours=int(digits[:2]), minutes=int(digits[2:4] or 0))
-        dt = dt.replace(tzinfo=datetime.timezone(sign * delta))
-        return dt.astimezone(_UTC)
+        try:
+            return dt.replace(tzinfo=datetime.timezone(sign * delta)).astimezone(_UTC)
+        except (ValueError, OverflowError):  # an offset of a day or more, or past year 1-9999
+            return None
     return dt.replace(tzinfo=_UTC)
 
 
@@ -86,6 +87,17 @@ _INT_RANGES = {
 
 _SPECIAL_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf,
                    "+Infinity": math.inf, "inf": math.inf, "-inf": -math.inf}  # fmt: skip
+
+
+def _without_surrogates(text: str) -> str:
+    r"""``text`` with each lone surrogate (a JSON ``\ud800`` escape without
+    its pair, which UTF-8 cannot hold) replaced by U+FFFD, as Go's decoder
+    does."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
 
 
 def json_to_spark(dtype: DataType) -> Callable[[Any], Any]:
@@ -119,11 +131,13 @@ def json_to_spark(dtype: DataType) -> Callable[[Any], Any]:
 
         return mapping
     if isinstance(dtype, StringType):
-        return lambda v: (
-            v
-            if isinstance(v, str) or v is None
-            else json.dumps(v, ensure_ascii=False, separators=(",", ":"))
-        )
+
+        def text(v: Any) -> Any:
+            if v is None or isinstance(v, str):
+                return v and _without_surrogates(v)
+            return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+
+        return text
     if isinstance(dtype, BooleanType):
         return lambda v: v if isinstance(v, bool) else None
     for cls, (lo, hi) in _INT_RANGES.items():
