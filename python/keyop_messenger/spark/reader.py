@@ -16,18 +16,8 @@ from pyspark.sql.datasource import (
     InputPartition,
 )
 from pyspark.sql.types import (
-    ArrayType,
-    BooleanType,
-    ByteType,
-    DataType,
-    DoubleType,
-    FloatType,
-    IntegerType,
-    LongType,
-    ShortType,
     StringType,
     StructType,
-    TimestampType,
 )
 
 from .mapping import json_to_spark
@@ -39,10 +29,10 @@ from .options import (
     check_channel,
     check_subscriber_id,
 )
+from .payload_parsing import arrow_parses, flat_kinds, parse_payloads
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
-
 
 
 _ARROW_BATCH_ROWS = 8192
@@ -220,6 +210,7 @@ def _check_read_schema(schema: StructType) -> None:
 @dataclasses.dataclass(frozen=True)
 class ReadSpec:
     """The checked read options: what to read and from where (built on the driver)."""
+
     data_dir: str
     channel: str
     start_offset: str
@@ -393,7 +384,8 @@ def _read_partition(
     payload_field = schema["payload"]
     as_text = isinstance(payload_field.dataType, StringType)
     parse = None if as_text else json_to_spark(payload_field.dataType)
-    fast = not as_text and _arrow_parses(payload_field.dataType)
+    fast = not as_text and arrow_parses(payload_field.dataType)
+    flat = None if as_text else flat_kinds(payload_field.dataType)
 
     def text(t: tuple[bytes, bytes, bytes | None, int], rows: int) -> pa.Array:
         offsets, data, validity, nulls = t
@@ -418,7 +410,7 @@ def _read_partition(
             payload = pc.utf8_rtrim(lines, characters="\n")
         else:
             assert parse is not None
-            payload = _parse_payloads(raw[1], lines, rows, types[7], parse, fast)
+            payload = parse_payloads(raw[1], lines, rows, types[7], parse, fast, flat)
         arrays = [
             text(ids, rows),
             int64(ts, rows, pa.timestamp("us", tz="UTC")).cast(types[1]),
@@ -433,52 +425,6 @@ def _read_partition(
         ]
         arrays = [a if a.type == t else a.cast(t) for a, t in zip(arrays, types, strict=True)]
         yield pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
-
-
-def _arrow_parses(dtype: DataType) -> bool:
-    """Whether Arrow's JSON reader parses values of ``dtype`` as
-    :func:`json_to_spark` does when it accepts them at all (it refuses, and
-    the batch falls back to Python, whenever a value does not fit)."""
-    if isinstance(dtype, StructType):
-        return all(_arrow_parses(f.dataType) for f in dtype.fields)
-    if isinstance(dtype, ArrayType):
-        return _arrow_parses(dtype.elementType)
-    return isinstance(
-        dtype,
-        (StringType, BooleanType, ByteType, ShortType, IntegerType, LongType, FloatType,
-         DoubleType, TimestampType),
-    )  # fmt: skip
-
-
-def _parse_payloads(
-    data: bytes,
-    lines: pa.Array,
-    rows: int,
-    kind: pa.DataType,
-    parse: Any,
-    fast: bool,
-) -> pa.Array:
-    """The payloads (JSON lines ``data``, also as the string array ``lines``)
-    as an array of the struct type ``kind``."""
-    import pyarrow as pa
-    import pyarrow.json as pj  # type: ignore[import-untyped]
-
-    if fast and rows:
-        fields = [kind.field(i) for i in range(kind.num_fields)]
-        try:
-            table = pj.read_json(
-                pa.BufferReader(pa.py_buffer(data)),
-                read_options=pj.ReadOptions(use_threads=False, block_size=len(data) + 1),
-                parse_options=pj.ParseOptions(
-                    explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore"
-                ),
-            )
-            if table.num_rows == rows and fields:
-                arrays = [table.column(f.name).combine_chunks().cast(f.type) for f in fields]
-                return pa.StructArray.from_arrays(arrays, fields=fields)
-        except (pa.ArrowException, ValueError, TypeError, KeyError):
-            pass  # a value Arrow will not take: Python converts this batch
-    return pa.array([parse(json.loads(s)) for s in lines.to_pylist()], kind)
 
 
 def _channel_list(text: str) -> list[str]:
