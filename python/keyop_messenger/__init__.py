@@ -6,6 +6,7 @@ pyo3-log as ``keyop_messenger.keyop_core.<module>``), comes from a logger under
 application decides where records go (``keyop-messenger run`` sets up stderr).
 """
 
+import importlib as _importlib
 import logging as _logging
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,6 @@ from .config import (
     load_config,
 )
 from .context import context, current_context
-from .ephemeral import EphemeralMessenger
 from .errors import (
     BufferFullError,
     CertificateError,
@@ -55,19 +55,6 @@ from .message import LogEntry, Message
 from .messenger import Messenger, read_channel
 from .payloads import PayloadRegistry
 from .positions import Position
-from .stats import (
-    ChannelStats,
-    FederationStats,
-    FederationStatus,
-    HubLinkStats,
-    HubLinkStatus,
-    HubListenerStats,
-    HubStatus,
-    LatencyStats,
-    Stats,
-    SubscriberStats,
-    Totals,
-)
 from .subscription import DeadLetter, Handler, Subscription
 
 _logging.getLogger("keyop_messenger").addHandler(_logging.NullHandler())
@@ -140,15 +127,53 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .aio import AsyncEphemeralMessenger, AsyncMessenger, AsyncSubscription
+    from .ephemeral import EphemeralMessenger
+    from .stats import (
+        ChannelStats,
+        FederationStats,
+        FederationStatus,
+        HubLinkStats,
+        HubLinkStatus,
+        HubListenerStats,
+        HubStatus,
+        LatencyStats,
+        Stats,
+        SubscriberStats,
+        Totals,
+    )
 
-# The asyncio classes load on first use: importing asyncio pulls in ssl, which a
-# publisher on a small board that never uses them should not pay for.
-_LAZY = {"AsyncEphemeralMessenger", "AsyncMessenger", "AsyncSubscription"}
+# Names whose module loads on first use (PEP 562), so that ``import keyop_messenger``
+# stays small for a publisher on a small board (idle memory, docs/performance.md): the asyncio
+# classes (asyncio pulls in ssl), the ephemeral client and the stats snapshot types
+# (returned by ``stats()`` / ``federation_status()``, which import them themselves).
+# tests/test_import_footprint.py checks that these modules stay unimported.
+_LAZY = {
+    "AsyncEphemeralMessenger": "aio",
+    "AsyncMessenger": "aio",
+    "AsyncSubscription": "aio",
+    "EphemeralMessenger": "ephemeral",
+    "ChannelStats": "stats",
+    "FederationStats": "stats",
+    "FederationStatus": "stats",
+    "HubLinkStats": "stats",
+    "HubLinkStatus": "stats",
+    "HubListenerStats": "stats",
+    "HubStatus": "stats",
+    "LatencyStats": "stats",
+    "Stats": "stats",
+    "SubscriberStats": "stats",
+    "Totals": "stats",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from . import aio
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    namespace = globals()
+    namespace[name] = getattr(_importlib.import_module(f".{module}", __name__), name)
+    return namespace[name]  # stored: later look-ups skip __getattr__
 
-        return getattr(aio, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -11,7 +11,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _core
 from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
@@ -21,11 +21,14 @@ from .config.loading import as_config
 from .context import _CONTEXT, resolve
 from .errors import ConfigError, send_batch, unicode_error
 from .message import LogEntry, entry_from_row
-from .metrics import MetricsServer
 from .payloads import PayloadRegistry, to_plain
 from .positions import Position, to_core
-from .stats import FederationStatus, Stats, federation_status_from_engine, stats_from_engine
 from .subscription import Deliverer, Handler, Subscription
+
+if TYPE_CHECKING:
+    # Imported where used: an idle messenger needs neither (idle memory, docs/performance.md).
+    from .metrics import MetricsServer
+    from .stats import FederationStatus, Stats
 
 __all__ = ["GapHandler", "Messenger", "read_channel"]
 
@@ -119,6 +122,8 @@ class Messenger(_core.MessengerBase, _SyncContext):
                 self.close()
                 raise
         if config.metrics.listen_addr:
+            from .metrics import MetricsServer
+
             try:
                 self._metrics = MetricsServer(self, config.metrics.listen_addr).start()
             except BaseException:
@@ -171,6 +176,8 @@ class Messenger(_core.MessengerBase, _SyncContext):
         and disk bytes, subscribers with lag and oldest pending message),
         totals, latency percentiles (publish, consume, handler) over a window
         of recent samples, and federation links and listener."""
+        from .stats import stats_from_engine
+
         return stats_from_engine(self._engine.stats())
 
     def federation_status(self) -> FederationStatus:
@@ -181,6 +188,8 @@ class Messenger(_core.MessengerBase, _SyncContext):
         ``refused`` (records the hub refused, per channel),
         ``refused_channels`` (configured publish channels the hub's handshake
         refuses; not sent, kept here) and ``refused_subscriptions``."""
+        from .stats import federation_status_from_engine
+
         return federation_status_from_engine(self._engine.federation_status())
 
     def set_allowed_peers(self, peers: list[AllowedPeer]) -> list[str]:

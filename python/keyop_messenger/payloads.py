@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import decimal
 import enum
+import sys
 import threading
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, is_typeddict
 
 from . import _core
-from ._typed import UnsupportedType, build_decoder
 from .errors import PayloadTypeError
 
 __all__ = ["PayloadRegistry", "to_plain"]
@@ -61,13 +59,24 @@ def to_plain(value: Any) -> Any:
         return value.value
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
-    if isinstance(value, (uuid.UUID, decimal.Decimal)):
+    if _is_uuid_or_decimal(value):
         return str(value)
     if isinstance(value, Mapping):
         return dict(value)
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=repr)
     raise PayloadTypeError(f"{type(value).__name__} values cannot be encoded as JSON")
+
+
+def _is_uuid_or_decimal(value: object) -> bool:
+    # A UUID or a Decimal can only exist once its module is imported: looking the
+    # module up instead of importing it keeps uuid (with platform) and decimal out of
+    # a process that never uses them (idle memory, docs/performance.md).
+    for module, name in (("uuid", "UUID"), ("decimal", "Decimal")):
+        found = sys.modules.get(module)
+        if found is not None and isinstance(value, getattr(found, name)):
+            return True
+    return False
 
 
 class _Entry:
@@ -170,6 +179,9 @@ def _require_mapping(data: Any) -> Any:
 def _decoder(name: str, cls: type) -> Callable[[Any], Any]:
     """The deep decoder of ``cls``, built now; a field type JSON cannot carry
     is a :class:`PayloadTypeError` naming the field."""
+    # Imported on the first registration: _typed needs uuid and decimal.
+    from ._typed import UnsupportedType, build_decoder
+
     try:
         return build_decoder(cls)
     except UnsupportedType as exc:

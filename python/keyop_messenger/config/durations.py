@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import re
-from fractions import Fraction
 
 __all__ = ["format_duration", "parse_duration"]
 
@@ -58,10 +57,18 @@ def parse_duration(text: str) -> datetime.timedelta:
             f"invalid duration {text!r}: expected Go duration syntax such as "
             "\"168h\", \"1h30m\" or \"500ms\" (units: ns, us, ms, s, m, h)"
         )
-    total = Fraction(0)
-    for number, unit in _DURATION_TERM_RE.findall(body):
-        total += Fraction(number) * _NS_PER_UNIT[unit]
-    nanoseconds = int(total)  # truncate like Go
+    # Exact, in integers (fractions would pull in decimal): every fraction is padded
+    # to as many decimal places as the longest one, so the terms add up as integers
+    # scaled by 10**places; the total is truncated once, like Go.
+    terms: list[tuple[str, str]] = _DURATION_TERM_RE.findall(body)
+    places = max(len(number.partition(".")[2]) for number, _ in terms)
+    scale: int = 10**places
+    scaled = 0
+    for number, unit in terms:
+        whole, _, frac = number.partition(".")
+        mantissa = int(whole or "0") * scale + int(frac.ljust(places, "0") or "0")
+        scaled += mantissa * _NS_PER_UNIT[unit]
+    nanoseconds = scaled // scale
     if nanoseconds > _MAX_DURATION_NS:
         raise ValueError(f"invalid duration {text!r}: out of range")
     return sign * datetime.timedelta(microseconds=nanoseconds // 1000)

@@ -7,7 +7,6 @@ with the methods that build it from a mapping, export it and validate it.
 from __future__ import annotations
 
 import datetime
-import difflib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, fields, is_dataclass
@@ -257,6 +256,8 @@ def _report_unknown_key(path: str, key: object, known: list[str], problems: Prob
     dotted = join_key(path, str(key))
     hint = _UNKNOWN_KEY_HINTS.get(dotted)
     if hint is None and isinstance(key, str):
+        import difflib  # only for a mistyped key; not imported at start-up
+
         close = difflib.get_close_matches(key, known, n=1)
         if close:
             hint = f"did you mean {join_key(path, close[0])}?"
