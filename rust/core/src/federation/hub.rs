@@ -423,6 +423,10 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         .clone();
     let entry = allowed.iter().find(|p| p.name == peer).cloned();
     let Some(entry) = entry.filter(|_| validate_name(NameKind::PeerName, &peer).is_ok()) else {
+        // Unregistered before the close handshake (up to a second): a
+        // rejected peer is never listed among the connected ones once its
+        // client has been told.
+        drop(registration);
         state.counters.rejected.fetch_add(1, Ordering::Relaxed);
         log::warn!("hub: rejected peer {peer:?} from {remote}: not in allowed_peers");
         let close = CloseFrame {
