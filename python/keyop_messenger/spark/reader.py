@@ -371,9 +371,9 @@ def _read_partition(
     raises :class:`DataLossError` unless ``skip_gaps``.
 
     The engine reads the records into Arrow buffers (``_core.read_columns``);
-    a ``payload_schema`` is parsed by Arrow's JSON reader, batch by batch,
-    with a per-value fallback (:func:`json_to_spark`) for a batch Arrow
-    refuses (a value of another type, an out-of-range number)."""
+    a ``payload_schema`` is parsed batch by batch by
+    :func:`~keyop_messenger.spark.payload_parsing.parse_payloads` (the
+    engine, Arrow's JSON reader or :func:`json_to_spark`, with one result)."""
     import pyarrow as pa
     import pyarrow.compute as pc  # type: ignore[import-untyped]
 
