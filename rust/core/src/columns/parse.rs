@@ -180,7 +180,9 @@ pub fn parse_payload_fields(
     rows: usize,
     fields: &[(&str, FieldKind)],
 ) -> Option<Vec<FieldColumn>> {
-    if fields.is_empty() {
+    // Every object takes at least two bytes: more rows than that cannot be
+    // there (and would only size the buffers below).
+    if fields.is_empty() || rows > data.len() / 2 {
         return None;
     }
     let text = std::str::from_utf8(data).ok()?;

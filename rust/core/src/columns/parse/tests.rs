@@ -91,6 +91,9 @@ fn a_value_that_is_not_plain_refuses_the_batch() {
     assert!(parse_payload_fields(ok.as_bytes(), 2, &[("v", FieldKind::Int(8))]).is_none());
     assert!(parse_payload_fields(ok.as_bytes(), 0, &[("v", FieldKind::Int(8))]).is_none());
     assert!(parse(ok, &[]).is_none());
+    // More rows than the data can hold: refused before any buffer is sized.
+    assert!(parse_payload_fields(b"{}", 1 << 60, &[("v", FieldKind::Int(8))]).is_none());
+    assert!(parse_payload_fields(b"{}{}", 2, &[("v", FieldKind::Int(8))]).is_some());
 }
 
 #[test]
