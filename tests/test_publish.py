@@ -13,6 +13,7 @@ import enum
 import json
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -752,6 +753,49 @@ def test_relaxed_mode_publishes_are_readable_and_persist(tmp_path: Path) -> None
         counters(m, "relaxed")
     with Messenger(config) as reopened:
         assert [e.message.id for e in reopened.read_channel("relaxed")] == ids
+
+
+def test_relaxed_publishers_on_many_threads_lose_and_reorder_nothing(tmp_path: Path) -> None:
+    """Relaxed publishes from 16 threads, and from a subscriber's callback, which
+    each publish at once while holding the GIL when the channel is idle and
+    queue otherwise: every message stored once, each thread's in its order."""
+    threads, per_thread = 16, 300
+    barrier = threading.Barrier(threads, timeout=30)
+    published: list[list[str]] = [[] for _ in range(threads)]
+    echoed: list[str] = []
+    errors: list[BaseException] = []
+    with Messenger(make_config(tmp_path, sync_interval_ms=200)) as m:
+
+        def echo(msg: Any) -> None:
+            echoed.append(m.publish("echo", "t", msg.payload))
+
+        m.subscribe("many", "echo", echo)
+
+        def publisher(n: int) -> Callable[[], None]:
+            def run() -> None:
+                try:
+                    barrier.wait()
+                    for i in range(per_thread):
+                        published[n].append(m.publish("many", "t", {"thread": n, "i": i}))
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            return run
+
+        run_threads([publisher(n) for n in range(threads)])
+        assert errors == []
+        on_disk = stored_ids(m, "many")
+        assert sorted(on_disk) == sorted(mid for ids in published for mid in ids)
+        position = {mid: n for n, mid in enumerate(on_disk)}
+        for ids in published:
+            assert [position[mid] for mid in ids] == sorted(position[mid] for mid in ids)
+        deadline = time.monotonic() + 60
+        while len(stored_ids(m, "echo")) < threads * per_thread:
+            assert time.monotonic() < deadline, "the callback's publishes never all arrived"
+            time.sleep(0.05)
+        assert stored_ids(m, "echo") == echoed
+        c = counters(m, "many")
+        assert (c["records"], c["failures"]) == (threads * per_thread, 0)
 
 
 def test_close_is_idempotent_and_refuses_later_use(messenger: Messenger) -> None:

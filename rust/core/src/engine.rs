@@ -432,6 +432,40 @@ impl Engine {
         })
     }
 
+    /// [`Engine::publish`] if it can be done at once, without waiting on
+    /// another thread or the disk (relaxed mode, the channel's writer open
+    /// and idle: see [`ChannelWriter::try_append_now`]). For a caller holding
+    /// a lock others wait for (the GIL), which it would otherwise have to let
+    /// go of and take back around every publish. `None`: nothing was stored;
+    /// call `publish`.
+    pub fn try_publish(&self, channel: &str, m: &Outgoing<'_>) -> Option<Result<Published, Error>> {
+        if self.durable() || self.check_open().is_err() {
+            return None;
+        }
+        if let Err(e) = validate_name(NameKind::PublishChannel, channel) {
+            return Some(Err(e.into()));
+        }
+        let writer = self.store.open_writer_now(channel)?;
+        let mut line = Vec::with_capacity(200 + m.payload_json.len());
+        let id = match self.encode(&mut line, channel, m) {
+            Ok(id) => id,
+            Err(e) => return Some(Err(e)),
+        };
+        let started = Instant::now();
+        let at = match writer.try_append_now(&line, 1)? {
+            Ok(at) => at,
+            Err(e) => return Some(Err(e.into())),
+        };
+        self.stats.publish.record(started.elapsed());
+        if let Some(seen) = self.seen.get() {
+            seen.insert(&id);
+        }
+        Some(Ok(Published {
+            id,
+            offset: at.offset,
+        }))
+    }
+
     /// Whether a publish is fdatasynced before it is acknowledged
     /// (`sync_interval_ms: 0`).
     pub fn durable(&self) -> bool {

@@ -16,7 +16,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -84,7 +84,9 @@ pub const LOCK_FILE: &str = "keyop.lock";
 struct Shared {
     cfg: StoreConfig,
     /// Looked up on every publish: a fast, randomly seeded hasher.
-    writers: Mutex<HashMap<String, Arc<ChannelWriter>, foldhash::fast::RandomState>>,
+    /// Read on every publish, written only when a channel's writer is first
+    /// opened: publishers look their writer up without excluding each other.
+    writers: RwLock<HashMap<String, Arc<ChannelWriter>, foldhash::fast::RandomState>>,
     stop: Mutex<bool>,
     stop_cv: Condvar,
     /// Descriptor-pool owner of this store's segment files.
@@ -165,7 +167,7 @@ impl Store {
         }
         let shared = Arc::new(Shared {
             cfg,
-            writers: Mutex::new(HashMap::default()),
+            writers: RwLock::new(HashMap::default()),
             stop: Mutex::new(false),
             stop_cv: Condvar::new(),
             owner: fdpool::pool().new_owner(),
@@ -207,12 +209,28 @@ impl Store {
         Ok(channel_dir(&self.shared.cfg.data_dir, channel))
     }
 
+    /// The writer of `channel` if it is open and its map is free at once:
+    /// never waits for another thread opening a writer.
+    pub fn open_writer_now(&self, channel: &str) -> Option<Arc<ChannelWriter>> {
+        self.shared.writers.try_read().ok()?.get(channel).cloned()
+    }
+
     /// The writer of `channel`, opened (and recovered) on first use.
     pub fn writer(&self, channel: &str) -> Result<Arc<ChannelWriter>, StorageError> {
+        let found = self
+            .shared
+            .writers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(channel)
+            .cloned();
+        if let Some(w) = found {
+            return Ok(w);
+        }
         let mut writers = self
             .shared
             .writers
-            .lock()
+            .write()
             .unwrap_or_else(|e| e.into_inner());
         if let Some(w) = writers.get(channel) {
             return Ok(w.clone());
@@ -240,7 +258,7 @@ impl Store {
         let writers = self
             .shared
             .writers
-            .lock()
+            .read()
             .unwrap_or_else(|e| e.into_inner());
         writers.values().cloned().collect()
     }
@@ -307,7 +325,7 @@ impl Shared {
             drop(stop);
             let writers: Vec<_> = self
                 .writers
-                .lock()
+                .read()
                 .unwrap_or_else(|e| e.into_inner())
                 .values()
                 .cloned()

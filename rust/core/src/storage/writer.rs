@@ -232,7 +232,23 @@ pub struct ChannelWriter {
     has_faults: AtomicBool,
     /// Descriptor-pool owner of the segment files (the store's).
     owner: u64,
+    /// When the writer was opened: the origin of `now_paused_until`.
+    opened: Instant,
+    /// [`ChannelWriter::try_append_now`] declines until this many
+    /// nanoseconds after `opened` (set after a slow write).
+    now_paused_until: AtomicU64,
+    /// Slow writes in a row taken by `try_append_now`.
+    now_slow_streak: AtomicU32,
 }
+
+/// A write taken by [`ChannelWriter::try_append_now`] that took longer than
+/// this pauses that path for [`NOW_PAUSE`], doubled for each such write in a
+/// row (up to 64 times). Dirty-page throttling sleeps 10-200 ms. An ordinary
+/// write stalls for a few milliseconds now and then (the periodic fdatasync
+/// of the same file), no longer than a Python thread may hold the GIL
+/// anyway (its switch interval is 5 ms), and must not turn the path off.
+const NOW_SLOW: Duration = Duration::from_millis(10);
+const NOW_PAUSE: Duration = Duration::from_secs(1);
 
 fn io_err(context: String, e: io::Error) -> StorageError {
     StorageError::Io {
@@ -344,6 +360,9 @@ impl ChannelWriter {
             faults: Mutex::new(Vec::new()),
             has_faults: AtomicBool::new(false),
             owner,
+            opened: Instant::now(),
+            now_paused_until: AtomicU64::new(0),
+            now_slow_streak: AtomicU32::new(0),
         })
     }
 
@@ -428,6 +447,65 @@ impl ChannelWriter {
             .get()
             .expect("a finished batch has its outcome")
             .result(pos, records.len())
+    }
+
+    /// Relaxed mode: appends `records` as [`ChannelWriter::append`] does, but
+    /// only if that needs no wait on another thread and no I/O beyond the
+    /// write itself (and the periodic identity check, a `stat`): the
+    /// writer's lock is free, nobody else is appending or flushing, no
+    /// segment roll or cut-back is due, and writes taken this way have been
+    /// fast. `None` means nothing was done; call `append`.
+    ///
+    /// For callers that hold a lock of their own which others wait for (the
+    /// GIL) and must not hold it across a wait: a write into the page cache
+    /// is a copy, but one that stalls past [`NOW_SLOW`] (dirty-page
+    /// throttling) turns this path off for a while, so a slow disk costs the
+    /// held lock rarely, not per append.
+    pub fn try_append_now(
+        &self,
+        records: &[u8],
+        count: u64,
+    ) -> Option<Result<Appended, StorageError>> {
+        debug_assert!(records.ends_with(b"\n"));
+        if self.cfg.durable || self.has_faults.load(Ordering::Relaxed) {
+            return None;
+        }
+        let started = Instant::now();
+        let since_open = |t: Instant| t.duration_since(self.opened).as_nanos() as u64;
+        if since_open(started) < self.now_paused_until.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut st = self.state.try_lock().ok()?;
+        if st.closed || st.flushing || !st.groups.is_empty() {
+            return None;
+        }
+        let active = st.active.as_ref()?;
+        let limit = self.cfg.segment_bytes;
+        if active.tainted
+            || active.broken.is_some()
+            || (limit > 0 && active.len > 0 && active.len + records.len() as u64 > limit)
+        {
+            return None;
+        }
+        st.pending.extend_from_slice(records);
+        st.groups.push((records.len(), count));
+        let slot = st.slot.clone();
+        self.lead(st);
+        if started.elapsed() > NOW_SLOW {
+            // Each slow write in a row doubles the pause, so a disk that
+            // stays slow costs a held lock ever more rarely.
+            let streak = self.now_slow_streak.fetch_add(1, Ordering::Relaxed).min(6);
+            let until = since_open(Instant::now() + NOW_PAUSE * (1 << streak));
+            self.now_paused_until.store(until, Ordering::Relaxed);
+        } else if self.now_slow_streak.load(Ordering::Relaxed) != 0 {
+            self.now_slow_streak.store(0, Ordering::Relaxed);
+        }
+        Some(
+            slot.outcome
+                .get()
+                .expect("the batch this caller led is finished")
+                .result(0, records.len()),
+        )
     }
 
     /// Queues `records` for the next batch (the state's lock held): their

@@ -182,3 +182,131 @@ fn close_commits_queued_submits_and_ends_the_committer() {
         .expect("segment");
     assert_eq!(text, "a\nb\n");
 }
+
+/// The segment's bytes, read back from disk.
+fn segment_text(dir: &Path) -> String {
+    std::fs::read_to_string(segment::segment_path(&dir.join("c"), 0)).expect("read segment")
+}
+
+/// An idle relaxed writer takes an append at once, as `append` would have:
+/// same offsets, counters and commit notice.
+#[test]
+fn try_append_now_writes_at_once_when_idle() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let w = open_writer(tmp.path(), false);
+    let first = w.append(b"one\n", 1).expect("append");
+    let now = w
+        .try_append_now(b"two\n", 1)
+        .expect("an idle writer takes the append")
+        .expect("written");
+    assert_eq!((first.offset, now.offset, now.end), (0, 4, 8));
+    assert_eq!(w.committed_end(), 8);
+    assert_eq!(segment_text(tmp.path()), "one\ntwo\n");
+    let c = w.counters();
+    assert_eq!((c.records, c.batches, c.fsyncs), (2, 2, 0), "{c:?}");
+    // The periodic fdatasync sees the write.
+    w.sync_if_dirty();
+    assert_eq!(w.counters().fsyncs, 1);
+}
+
+/// Whenever the append would wait or need more than the write, it is
+/// declined and nothing is queued: the caller's `append` does it.
+#[test]
+fn try_append_now_declines_rather_than_wait() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    // Durable mode waits for an fdatasync.
+    let durable = open_writer(&tmp.path().join("d"), true);
+    assert!(durable.try_append_now(b"x\n", 1).is_none());
+
+    let w = open_writer(tmp.path(), false);
+    // A flush in progress (another thread leads a batch).
+    w.lock().flushing = true;
+    assert!(w.try_append_now(b"x\n", 1).is_none());
+    w.lock().flushing = false;
+    // The writer's lock is held by another thread.
+    let held = w.lock();
+    assert!(w.try_append_now(b"x\n", 1).is_none());
+    drop(held);
+    // An injected fault is for the full path.
+    w.inject_fault(FaultPoint::Write { partial: 0 }, 1);
+    assert!(w.try_append_now(b"x\n", 1).is_none());
+    assert!(
+        w.append(b"x\n", 1).is_err(),
+        "the fault was left for append"
+    );
+    // Paused after a slow write.
+    w.now_paused_until
+        .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+    assert!(w.try_append_now(b"x\n", 1).is_none());
+    w.now_paused_until
+        .store(0, std::sync::atomic::Ordering::Relaxed);
+    assert!(w.lock().groups.is_empty(), "nothing was queued");
+    assert_eq!(w.committed_end(), 0);
+    assert!(w.try_append_now(b"y\n", 1).is_some());
+    assert_eq!(segment_text(tmp.path()), "y\n");
+    // Closed: declined, and `append` says why.
+    w.close();
+    assert!(w.try_append_now(b"z\n", 1).is_none());
+    assert!(matches!(w.append(b"z\n", 1), Err(StorageError::Closed(_))));
+}
+
+/// A segment roll fsyncs the sealed segment: that is left to `append`.
+#[test]
+fn try_append_now_leaves_a_segment_roll_to_append() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let cfg = WriterConfig {
+        segment_bytes: 8,
+        durable: false,
+    };
+    let w = ChannelWriter::open("c", &tmp.path().join("c"), cfg).expect("open writer");
+    assert!(
+        w.try_append_now(b"abcde\n", 1).is_some(),
+        "the first record fits"
+    );
+    assert!(w.try_append_now(b"fghij\n", 1).is_none(), "this one rolls");
+    let rolled = w.append(b"fghij\n", 1).expect("append rolls");
+    assert_eq!(rolled.offset, 6);
+}
+
+/// Threads mixing `try_append_now` (falling back to `append`) with plain
+/// appends lose, repeat and tear nothing, and keep each thread's order.
+#[test]
+fn try_append_now_and_append_interleave_safely() {
+    const THREADS: usize = 8;
+    const EACH: usize = 500;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let w = Arc::new(open_writer(tmp.path(), false));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let w = w.clone();
+            std::thread::spawn(move || {
+                for i in 0..EACH {
+                    let line = format!("{t}:{i}\n");
+                    let done = if t % 2 == 0 {
+                        w.try_append_now(line.as_bytes(), 1)
+                    } else {
+                        None
+                    };
+                    match done {
+                        Some(r) => r,
+                        None => w.append(line.as_bytes(), 1),
+                    }
+                    .expect("append");
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("thread");
+    }
+    let text = segment_text(tmp.path());
+    let mut next = [0usize; THREADS];
+    for line in text.lines() {
+        let (t, i) = line.split_once(':').expect("whole line");
+        let (t, i): (usize, usize) = (t.parse().expect("t"), i.parse().expect("i"));
+        assert_eq!(i, next[t], "thread {t}'s records out of order or repeated");
+        next[t] += 1;
+    }
+    assert_eq!(next, [EACH; THREADS], "records lost");
+    assert_eq!(w.counters().records, (THREADS * EACH) as u64);
+}
