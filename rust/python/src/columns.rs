@@ -195,6 +195,12 @@ pub fn encode_records(
     Ok(FramedBatch { framed })
 }
 
+/// The byte width of an `intN` or `floatN` kind (`int8`: 1, `float64`: 8).
+fn byte_width(kind: &str) -> usize {
+    let bits = kind.trim_start_matches(|c: char| c.is_ascii_alphabetic());
+    bits.parse::<usize>().unwrap_or(64) / 8
+}
+
 /// The columns of an `encode_columns` call, checked.
 fn parse_columns<'a>(py: Python<'_>, columns: &'a [ColumnSpec<'_>]) -> PyResult<Vec<Column<'a>>> {
     let bad = |msg: String| new_err(py, Kind::PayloadType, msg);
@@ -204,11 +210,11 @@ fn parse_columns<'a>(py: Python<'_>, columns: &'a [ColumnSpec<'_>]) -> PyResult<
         let values = match kind.as_str() {
             "bool" => ColumnValues::Bool(data),
             "int8" | "int16" | "int32" | "int64" => ColumnValues::Int {
-                width: kind[3..].parse::<usize>().unwrap_or(64) / 8,
+                width: byte_width(kind),
                 data,
             },
             "float32" | "float64" => ColumnValues::Float {
-                width: kind[5..].parse::<usize>().unwrap_or(64) / 8,
+                width: byte_width(kind),
                 data,
             },
             "utf8" => ColumnValues::Text {
@@ -361,10 +367,8 @@ pub fn parse_payload_fields<'py>(
         let kind = match kind.as_str() {
             "utf8" => FieldKind::Text,
             "bool" => FieldKind::Bool,
-            "int8" | "int16" | "int32" | "int64" => {
-                FieldKind::Int(kind[3..].parse::<usize>().unwrap_or(64) / 8)
-            }
-            "float32" | "float64" => FieldKind::Float(kind[5..].parse::<usize>().unwrap_or(64) / 8),
+            "int8" | "int16" | "int32" | "int64" => FieldKind::Int(byte_width(kind)),
+            "float32" | "float64" => FieldKind::Float(byte_width(kind)),
             "timestamp_utc" => FieldKind::TimestampMicros,
             other => {
                 return Err(new_err(
