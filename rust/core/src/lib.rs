@@ -23,7 +23,7 @@ pub use engine::{
     frame_batch, frame_rows, read_channel, read_channel_stats, resolve_position, Engine, Framed,
     FramedIds, Outgoing, Published, Submitted,
 };
-pub use envelope::{Envelope, NameError, NameKind};
+pub use envelope::{Envelope, EnvelopeRef, NameError, NameKind};
 pub use storage::compaction::{CompactionReport, RetentionConfig, RetentionLimits};
 pub use storage::timeindex::StartPosition;
 pub use storage::{StorageError, StoreConfig};

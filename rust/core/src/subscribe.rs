@@ -1,8 +1,5 @@
 //! Delivery to local subscribers: read -> handler -> retry/backoff ->
 //! acknowledge or dead-letter, with a persisted offset per subscriber.
-//! why this file is long: the delivery loop, its retry/dead-letter path and the
-//! subscriber's bounded stop share the worker's state.
-//!
 //! why this file is long: the delivery loop, its retry/dead-letter
 //! settlement and the handling of what a reader can meet (gaps, unreadable
 //! records) share the worker's offset state; split apart they would have to
@@ -30,27 +27,20 @@ use std::thread::{self, JoinHandle, ThreadId};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::envelope::{
-    self, dead_letter_channel, encode_record, Envelope, Header, Stamp, DEAD_LETTER_PAYLOAD_TYPE,
+    self, dead_letter_channel, encode_record, Header, Stamp, DEAD_LETTER_PAYLOAD_TYPE,
     DEAD_LETTER_SUFFIX,
 };
 use crate::stats::EngineStats;
 use crate::storage::offsets::{read_offset, write_offset};
-use crate::storage::quarantine::{self, decode_stored, quarantine, report_gap, split_point};
+use crate::storage::quarantine::{self, quarantine, report_gap, split_point};
 use crate::storage::{segment, ChannelWriter, Item, LogReader};
 
 /// Most records the batch buffer is allocated for up front (a larger
 /// `max_batch` grows it as needed).
 const MAX_BATCH_CAPACITY: usize = 4096;
 
-/// One record handed to a handler.
-#[derive(Debug, Clone)]
-pub struct Delivery {
-    /// Global offset of the record.
-    pub offset: u64,
-    /// The raw line (without `\n`).
-    pub line: Vec<u8>,
-    pub envelope: Envelope,
-}
+mod delivery;
+pub use delivery::Delivery;
 
 /// Why a handler did not acknowledge a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -544,13 +534,9 @@ impl<H: Handler> Worker<H> {
             };
             let next = item.next_offset();
             match item {
-                Item::Record { offset, line, .. } => match decode_stored(&line) {
-                    Ok(envelope) => batch.push(Delivery {
-                        offset,
-                        line,
-                        envelope,
-                    }),
-                    Err(e) => {
+                Item::Record { offset, line, .. } => match Delivery::decode(offset, line) {
+                    Ok(d) => batch.push(d),
+                    Err((e, line)) => {
                         if !batch.is_empty() {
                             // Settled once the records before it are.
                             self.reader.seek(offset);
@@ -601,7 +587,7 @@ impl<H: Handler> Worker<H> {
         let now_nanos = SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as i64);
-        let waited = now_nanos - batch[0].envelope.ts_nanos;
+        let waited = now_nanos - batch[0].ts_nanos();
         if waited >= 0 {
             self.stats
                 .consume
@@ -628,7 +614,7 @@ impl<H: Handler> Worker<H> {
             let handled = out.handled.min(rest.len());
             if handled > 0 {
                 let r = &rest[handled - 1];
-                self.ack(r.offset + r.line.len() as u64 + 1);
+                self.ack(r.end());
             }
             rest = &rest[handled..];
             if self.seek_pending() {
@@ -693,7 +679,7 @@ impl<H: Handler> Worker<H> {
                     let out = self.timed_handle(std::slice::from_ref(d));
                     match out.failure {
                         None if out.handled >= 1 => {
-                            self.ack(d.offset + d.line.len() as u64 + 1);
+                            self.ack(d.end());
                             return true;
                         }
                         Some(Failure::Reject(r)) => break r,
@@ -711,7 +697,7 @@ impl<H: Handler> Worker<H> {
         if raw {
             // Quarantined and dead-lettered as raw text (logged there).
             return self.commit_dead_letter(d, |w| {
-                w.unreadable(d.offset, &d.line, Some(&d.envelope.origin), &last_error)
+                w.unreadable(d.offset, d.line(), Some(&d.envelope().origin), &last_error)
             });
         }
         if self.channel.ends_with(DEAD_LETTER_SUFFIX) || !self.opts.dead_letter {
@@ -719,10 +705,10 @@ impl<H: Handler> Worker<H> {
                 "channel {:?}: subscriber {:?} gave up on record {} at offset {} (not dead-lettered): {last_error}",
                 self.channel,
                 self.id,
-                d.envelope.id,
+                d.envelope().id,
                 d.offset
             );
-            self.ack(d.offset + d.line.len() as u64 + 1);
+            self.ack(d.end());
             return true;
         }
         self.commit_dead_letter(d, |w| w.dead_letter(d, &last_error, retries, rejected))
@@ -739,13 +725,13 @@ impl<H: Handler> Worker<H> {
         loop {
             match write(self) {
                 Ok(()) => {
-                    self.ack(d.offset + d.line.len() as u64 + 1);
+                    self.ack(d.end());
                     return true;
                 }
                 Err(e) => log::error!(
                     "channel {:?}: cannot write dead letter for {}: {e}; retrying",
                     self.channel,
-                    d.envelope.id
+                    d.envelope().id
                 ),
             }
             let delay = backoff_delay(self.opts.backoff_base, self.opts.backoff_max, attempt);
@@ -764,9 +750,9 @@ impl<H: Handler> Worker<H> {
         rejected: bool,
     ) -> Result<(), crate::StorageError> {
         let stamp = Stamp::now();
-        let mut payload = Vec::with_capacity(d.line.len() + last_error.len() + 160);
+        let mut payload = Vec::with_capacity(d.line().len() + last_error.len() + 160);
         payload.extend_from_slice(b"{\"original\":");
-        payload.extend_from_slice(&d.line);
+        payload.extend_from_slice(d.line());
         payload.extend_from_slice(format!(",\"retries\":{retries},\"last_error\":").as_bytes());
         envelope::push_json_str(&mut payload, last_error);
         payload.extend_from_slice(b",\"failed_at\":");
@@ -785,7 +771,7 @@ impl<H: Handler> Worker<H> {
         envelope::push_json_str(&mut payload, &self.channel);
         payload.extend_from_slice(format!(",\"offset\":{}", d.offset).as_bytes());
         payload.push(b'}');
-        self.append_dead_letter(&stamp, &d.envelope.origin, &payload)
+        self.append_dead_letter(&stamp, &d.envelope().origin, &payload)
     }
 
     fn append_dead_letter(

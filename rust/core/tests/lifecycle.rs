@@ -46,7 +46,7 @@ impl Handler for Stuck {
         self.calls
             .lock()
             .unwrap()
-            .push(batch[0].envelope.id.clone());
+            .push(batch[0].envelope().id.into_owned());
         self.entered.store(true, Ordering::SeqCst);
         while !self.release.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(5));

@@ -39,7 +39,7 @@ struct Collect(Arc<Mutex<Vec<String>>>);
 impl Handler for Collect {
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
         let mut got = self.0.lock().expect("lock");
-        got.extend(batch.iter().map(|d| d.envelope.id.clone()));
+        got.extend(batch.iter().map(|d| d.envelope().id.into_owned()));
         BatchOutcome {
             handled: batch.len(),
             failure: None,

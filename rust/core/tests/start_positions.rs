@@ -225,7 +225,7 @@ impl Handler for Seen {
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
         let mut v = self.0.lock().unwrap();
         for d in batch {
-            let p: serde_json::Value = serde_json::from_str(d.envelope.payload.get()).unwrap();
+            let p: serde_json::Value = serde_json::from_str(&d.envelope().payload).unwrap();
             v.push(p["n"].as_u64().unwrap());
         }
         BatchOutcome {

@@ -91,7 +91,7 @@ fn publish_range(engine: &Engine, ns: std::ops::Range<u64>) -> Vec<Published> {
 /// The message number of a delivery (`u64::MAX` for other payloads, such as
 /// dead letters).
 fn number(d: &Delivery) -> u64 {
-    serde_json::from_str::<Value>(d.envelope.payload.get())
+    serde_json::from_str::<Value>(&d.envelope().payload)
         .ok()
         .and_then(|v| v.get("n").and_then(Value::as_u64))
         .unwrap_or(u64::MAX)

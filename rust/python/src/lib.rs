@@ -21,8 +21,8 @@ use keyop_core::engine::encode_message_with_id;
 use keyop_core::federation::ephemeral::{EphemeralClient as EphemeralCore, EphemeralConfig};
 use keyop_core::storage::{ChannelWriter, FaultPoint, Item, LogReader};
 use keyop_core::{
-    BatchOutcome, Delivery, Engine, Envelope, Failure, Handler, Outgoing, RetentionConfig,
-    RetentionLimits, StartPosition, StoreConfig, SubscribeOptions, Subscriber,
+    BatchOutcome, Delivery, Engine, Envelope, EnvelopeRef, Failure, Handler, Outgoing,
+    RetentionConfig, RetentionLimits, StartPosition, StoreConfig, SubscribeOptions, Subscriber,
 };
 use pyo3::exceptions::{PyRuntimeError, PyUnicodeEncodeError};
 use pyo3::intern;
@@ -1068,7 +1068,7 @@ fn retention(
 fn delivery_message(
     py: Python<'_>,
     dec: &mut PyDecoder,
-    e: &Envelope,
+    e: &EnvelopeRef<'_>,
 ) -> PyResult<Py<message::Message>> {
     Py::new(
         py,
@@ -1086,7 +1086,7 @@ fn delivery_message(
                 .as_deref()
                 .map(|s| PyString::new(py, s).into_any().unbind()),
             e.ts_nanos,
-            e.payload.get(),
+            &e.payload,
         ),
     )
 }
@@ -1166,7 +1166,7 @@ impl Handler for PyHandler {
             // the handler reads it; one call of the delivery function per batch.
             let mut messages = Vec::with_capacity(batch.len());
             for d in batch {
-                match delivery_message(py, &mut self.decoder, &d.envelope) {
+                match delivery_message(py, &mut self.decoder, &d.envelope()) {
                     Ok(m) => messages.push(m),
                     Err(e) => {
                         return BatchOutcome {
