@@ -43,3 +43,42 @@ def test_bench_spark_reports_both_ratios_locally_and_on_a_standalone_cluster() -
         "CoarseGrainedExecutorBackend"
     leftover = subprocess.run(["pgrep", "-af", cluster], capture_output=True, text=True)
     assert leftover.stdout == "", leftover.stdout
+
+
+def test_a_starting_masters_status_page_counts_no_workers() -> None:
+    """While the cluster starts, the master's status page may be down, or up
+    with an empty or partial body: each reads as no worker yet, so the start
+    waits (bounded) instead of failing."""
+    import http.server
+    import socket
+    import threading
+
+    from keyop_messenger.spark.bench import alive_workers
+
+    bodies = [b"", b"{\"aliveworkers\":", b"{}", b"{\"aliveworkers\": 2}"]
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = bodies.pop(0)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        assert [alive_workers(port) for _ in range(4)] == [0, 0, 0, 2]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert alive_workers(closed) == 0

@@ -156,10 +156,6 @@ def standalone_cluster(workers: int = 2, cores: int = 1) -> Iterator[str]:
                 cwd=tmp, start_new_session=True,
             ))  # fmt: skip
 
-        def alive_workers() -> int:
-            with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as r:
-                return int(json.load(r).get("aliveworkers", 0))
-
         try:
             start("org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                   "--port", str(port), "--webui-port", str(ui))  # fmt: skip
@@ -172,11 +168,8 @@ def standalone_cluster(workers: int = 2, cores: int = 1) -> Iterator[str]:
             while True:
                 if any(p.poll() is not None for p in procs):
                     raise RuntimeError(_cluster_failed(tmp, "a process of it exited"))
-                try:
-                    if alive_workers() == workers:
-                        break
-                except OSError:
-                    pass
+                if alive_workers(ui) == workers:
+                    break
                 if time.monotonic() > deadline:
                     raise RuntimeError(_cluster_failed(tmp, f"not up in {CLUSTER_START_S:g} s"))
                 time.sleep(0.5)
@@ -195,6 +188,17 @@ def standalone_cluster(workers: int = 2, cores: int = 1) -> Iterator[str]:
             for p in procs:
                 _end_group(p.pid)
             log.close()
+
+
+def alive_workers(ui_port: int) -> int:
+    """Workers a standalone master's status page (on ``ui_port``) lists as alive;
+    0 while the page is not up or not yet whole (a starting master can answer
+    with an empty body)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=2) as r:
+            return int(json.load(r).get("aliveworkers", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 def _end_group(pgid: int, timeout_s: float = 30.0) -> None:
