@@ -40,11 +40,32 @@ struct Window {
     /// federating in one process.
     lru: LruCache<String, (), foldhash::fast::RandomState>,
     /// Ids being stored now, with the channel their outcome is sent on
-    /// (true: committed).
-    in_flight: HashMap<String, watch::Sender<Option<bool>>>,
+    /// (true: committed), made when a second caller first waits for it:
+    /// most ids are never waited for, and a channel per record was a large
+    /// part of a hub's CPU.
+    in_flight: HashMap<String, Option<watch::Sender<Option<bool>>>, foldhash::fast::RandomState>,
     /// Bytes counted for the ids held (id length plus overhead).
     bytes: usize,
     max_bytes: usize,
+}
+
+impl Window {
+    /// Marks `id` seen; `owned` gives it as a `String` if it is to be held.
+    fn admit(&mut self, id: &str, owned: impl FnOnce() -> String) {
+        if self.lru.get(id).is_some() || cost(id) > self.max_bytes {
+            return;
+        }
+        while self.bytes + cost(id) > self.max_bytes {
+            match self.lru.pop_lru() {
+                Some((old, ())) => self.bytes -= cost(&old),
+                None => break,
+            }
+        }
+        if let Some((old, ())) = self.lru.push(owned(), ()) {
+            self.bytes -= cost(&old);
+        }
+        self.bytes += cost(id);
+    }
 }
 
 fn cost(id: &str) -> usize {
@@ -69,7 +90,7 @@ impl SeenIds {
         SeenIds {
             ids: Mutex::new(Window {
                 lru: LruCache::with_hasher(cap, foldhash::fast::RandomState::default()),
-                in_flight: HashMap::new(),
+                in_flight: HashMap::default(),
                 bytes: 0,
                 max_bytes,
             }),
@@ -96,26 +117,33 @@ impl SeenIds {
         if w.lru.get(id).is_some() {
             return Claim::Seen;
         }
-        if let Some(tx) = w.in_flight.get(id) {
-            return Claim::Pending(tx.subscribe());
+        if let Some(tx) = w.in_flight.get_mut(id) {
+            let rx = match tx {
+                Some(tx) => tx.subscribe(),
+                None => {
+                    let (new, rx) = watch::channel(None);
+                    *tx = Some(new);
+                    rx
+                }
+            };
+            return Claim::Pending(rx);
         }
-        let (tx, _) = watch::channel(None);
-        w.in_flight.insert(id.to_owned(), tx);
+        w.in_flight.insert(id.to_owned(), None);
         Claim::Mine
     }
 
     /// Ends the claim on `id`: marks it seen if `committed`, and tells the
     /// callers waiting on it.
     pub fn settle(&self, id: &str, committed: bool) {
-        if committed {
-            self.insert(id);
-        }
-        let tx = self
-            .ids
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .in_flight
-            .remove(id);
+        let tx = {
+            let mut w = self.ids.lock().unwrap_or_else(|e| e.into_inner());
+            let (key, tx) = w.in_flight.remove_entry(id).unzip();
+            if committed {
+                // The claim's own copy of the id becomes the window's.
+                w.admit(id, || key.unwrap_or_else(|| id.to_owned()));
+            }
+            tx.flatten()
+        };
         if let Some(tx) = tx {
             tx.send_replace(Some(committed));
         }
@@ -132,20 +160,10 @@ impl SeenIds {
 
     /// Marks `id` as seen.
     pub fn insert(&self, id: &str) {
-        let mut w = self.ids.lock().unwrap_or_else(|e| e.into_inner());
-        if w.lru.get(id).is_some() || cost(id) > w.max_bytes {
-            return;
-        }
-        while w.bytes + cost(id) > w.max_bytes {
-            match w.lru.pop_lru() {
-                Some((old, ())) => w.bytes -= cost(&old),
-                None => break,
-            }
-        }
-        if let Some((old, ())) = w.lru.push(id.to_owned(), ()) {
-            w.bytes -= cost(&old);
-        }
-        w.bytes += cost(id);
+        self.ids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admit(id, || id.to_owned());
     }
 
     /// Bytes counted for the ids held now.
@@ -252,13 +270,22 @@ mod tests {
         let Claim::Pending(mut rx) = s.claim("a") else {
             panic!("in flight again");
         };
+        let Claim::Pending(mut rx2) = s.claim("a") else {
+            panic!("a third claim waits too");
+        };
         {
             let mut guard = ClaimGuard::new(&s);
             guard.hold("a");
             guard.settle_all(&["a".to_owned()], true);
         }
         assert!(rt.block_on(Claim::outcome(&mut rx)));
+        assert!(
+            rt.block_on(Claim::outcome(&mut rx2)),
+            "every waiter learns it"
+        );
         assert!(matches!(s.claim("a"), Claim::Seen));
+        assert_eq!(s.len(), 1);
+        assert_eq!(s.bytes(), 1 + ENTRY_OVERHEAD_BYTES);
         assert!(matches!(s.claim("b"), Claim::Mine));
         drop(ClaimGuard {
             seen: &s,
