@@ -113,7 +113,7 @@ impl OutChannel {
 /// and where its figures go.
 pub struct Inbound {
     /// Channels accepted; `None` accepts any.
-    pub allow: Option<HashSet<String>>,
+    pub allow: Option<FastSet<String>>,
     /// `peer` in audit records.
     pub peer: String,
     /// Counts records stored from this peer (the hub's listener counter).
@@ -270,7 +270,7 @@ async fn receive_batch(
     let records = split_batch(body).map_err(|e| e.to_string())?;
     let limit = shared.link.max_batch_bytes.max(MAX_RECORD_BYTES - 1);
     let mut ack = Ack::default();
-    let mut in_batch: HashSet<String> = HashSet::new();
+    let mut in_batch: FastSet<String> = FastSet::default();
     // Per channel, in order of first appearance: (channel, lines, ids).
     let mut groups: Vec<(String, Vec<u8>, Vec<String>)> = Vec::new();
     // Ids this batch stores (settled as failed if it returns early) and
@@ -349,23 +349,17 @@ async fn receive_batch(
             }
         }
         // Store the received bytes verbatim unless they are not one line.
-        let line = if rec.contains(&b'\n') || rec.contains(&b'\r') {
-            env.encode()
-        } else {
-            let mut l = Vec::with_capacity(rec.len() + 1);
-            l.extend_from_slice(rec);
-            l.push(b'\n');
-            l
-        };
+        let encoded = (rec.contains(&b'\n') || rec.contains(&b'\r')).then(|| env.encode());
+        let line = Line(encoded.as_deref().unwrap_or(rec));
         in_batch.insert(env.id.clone());
         ack.last_id = env.id.clone();
         match shared.seen.claim(&env.id) {
             Claim::Seen => continue,
             // Another connection is storing this id now: wait for it below.
-            Claim::Pending(rx) => pending.push((env.channel, line, env.id, rx)),
+            Claim::Pending(rx) => pending.push((env.channel, line.to_vec(), env.id, rx)),
             Claim::Mine => {
                 claims.hold(&env.id);
-                add_to_group(&mut groups, env.channel, &line, env.id);
+                add_to_group(&mut groups, env.channel, line, env.id);
             }
         }
     }
@@ -406,7 +400,7 @@ async fn receive_batch(
                 Claim::Pending(rx) => pending.push((channel, line, id, rx)),
                 Claim::Mine => {
                     claims.hold(&id);
-                    add_to_group(&mut groups, channel, &line, id);
+                    add_to_group(&mut groups, channel, Line(&line), id);
                 }
             }
         }
@@ -421,17 +415,41 @@ async fn receive_batch(
 
 type PendingOutcome = tokio::sync::watch::Receiver<Option<bool>>;
 
+/// A set with the per-process seeded foldhash (as the store's channel map):
+/// looked up for every record received.
+type FastSet<T> = HashSet<T, foldhash::fast::RandomState>;
+
+/// A record as stored: one line, with or without its final `\n`.
+#[derive(Clone, Copy)]
+struct Line<'a>(&'a [u8]);
+
+impl Line<'_> {
+    /// Appends the line to `out`, ending it with one `\n`.
+    fn push_to(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self.0);
+        if !self.0.ends_with(b"\n") {
+            out.push(b'\n');
+        }
+    }
+
+    fn to_vec(self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.0.len() + 1);
+        self.push_to(&mut out);
+        out
+    }
+}
+
 /// Adds a record's line and id to its channel's group (groups keep the order
 /// of first appearance).
 fn add_to_group(
     groups: &mut Vec<(String, Vec<u8>, Vec<String>)>,
     channel: String,
-    line: &[u8],
+    line: Line<'_>,
     id: String,
 ) {
     match groups.iter_mut().find(|g| g.0 == channel) {
         Some(g) => {
-            g.1.extend_from_slice(line);
+            line.push_to(&mut g.1);
             g.2.push(id);
         }
         None => groups.push((channel, line.to_vec(), vec![id])),
