@@ -83,9 +83,9 @@ pub const LOCK_FILE: &str = "keyop.lock";
 
 struct Shared {
     cfg: StoreConfig,
-    /// Looked up on every publish: a fast, randomly seeded hasher.
-    /// Read on every publish, written only when a channel's writer is first
-    /// opened: publishers look their writer up without excluding each other.
+    /// Looked up on every publish (a fast, randomly seeded hasher) and
+    /// written only when a channel's writer is first opened: a read lock, so
+    /// publishers look their writer up without excluding each other.
     writers: RwLock<HashMap<String, Arc<ChannelWriter>, foldhash::fast::RandomState>>,
     stop: Mutex<bool>,
     stop_cv: Condvar,
