@@ -50,6 +50,35 @@ struct Window {
 }
 
 impl Window {
+    fn claim(&mut self, id: &str) -> Claim {
+        if self.lru.get(id).is_some() {
+            return Claim::Seen;
+        }
+        if let Some(tx) = self.in_flight.get_mut(id) {
+            let rx = match tx {
+                Some(tx) => tx.subscribe(),
+                None => {
+                    let (new, rx) = watch::channel(None);
+                    *tx = Some(new);
+                    rx
+                }
+            };
+            return Claim::Pending(rx);
+        }
+        self.in_flight.insert(id.to_owned(), None);
+        Claim::Mine
+    }
+
+    /// Ends the claim on `id`; returns the channel of its waiters, if any.
+    fn settle(&mut self, id: &str, committed: bool) -> Option<watch::Sender<Option<bool>>> {
+        let (key, tx) = self.in_flight.remove_entry(id).unzip();
+        if committed {
+            // The claim's own copy of the id becomes the window's.
+            self.admit(id, || key.unwrap_or_else(|| id.to_owned()));
+        }
+        tx.flatten()
+    }
+
     /// Marks `id` seen; `owned` gives it as a `String` if it is to be held.
     fn admit(&mut self, id: &str, owned: impl FnOnce() -> String) {
         if self.lru.get(id).is_some() || cost(id) > self.max_bytes {
@@ -99,81 +128,74 @@ impl SeenIds {
 
     /// Whether `id` was seen recently (refreshes its recency).
     pub fn contains(&self, id: &str) -> bool {
-        self.ids
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .lru
-            .get(id)
-            .is_some()
+        self.contains_each([id])[0]
+    }
+
+    /// For each of `ids`, whether it was seen recently (refreshing its
+    /// recency), under one lock: a receiver asks for a whole batch at once.
+    pub fn contains_each<'i>(&self, ids: impl IntoIterator<Item = &'i str>) -> Vec<bool> {
+        let mut w = self.lock();
+        ids.into_iter().map(|id| w.lru.get(id).is_some()).collect()
     }
 
     /// Claims `id` for storing: [`Claim::Seen`] if it was committed
     /// recently, [`Claim::Pending`] if another caller is storing it now (wait
     /// on the receiver, then claim again), else [`Claim::Mine`]: the caller
     /// stores the record and must [`settle`](SeenIds::settle) the id, whatever
-    /// the outcome (a [`ClaimGuard`] does it on every path).
+    /// the outcome.
     pub fn claim(&self, id: &str) -> Claim {
-        let mut w = self.ids.lock().unwrap_or_else(|e| e.into_inner());
-        if w.lru.get(id).is_some() {
-            return Claim::Seen;
-        }
-        if let Some(tx) = w.in_flight.get_mut(id) {
-            let rx = match tx {
-                Some(tx) => tx.subscribe(),
-                None => {
-                    let (new, rx) = watch::channel(None);
-                    *tx = Some(new);
-                    rx
-                }
-            };
-            return Claim::Pending(rx);
-        }
-        w.in_flight.insert(id.to_owned(), None);
-        Claim::Mine
+        self.claim_each([id]).pop().expect("one claim per id")
+    }
+
+    /// [`claim`](SeenIds::claim)s each of `ids` in order, under one lock.
+    /// The ids must differ: a repeat would wait for its own first claim.
+    pub fn claim_each<'i>(&self, ids: impl IntoIterator<Item = &'i str>) -> Vec<Claim> {
+        let mut w = self.lock();
+        ids.into_iter().map(|id| w.claim(id)).collect()
     }
 
     /// Ends the claim on `id`: marks it seen if `committed`, and tells the
     /// callers waiting on it.
     pub fn settle(&self, id: &str, committed: bool) {
-        let tx = {
-            let mut w = self.ids.lock().unwrap_or_else(|e| e.into_inner());
-            let (key, tx) = w.in_flight.remove_entry(id).unzip();
-            if committed {
-                // The claim's own copy of the id becomes the window's.
-                w.admit(id, || key.unwrap_or_else(|| id.to_owned()));
-            }
-            tx.flatten()
+        self.settle_each([id], committed);
+    }
+
+    /// [`settle`](SeenIds::settle)s each of `ids` under one lock; waiters
+    /// are told once it is released.
+    pub fn settle_each<'i>(&self, ids: impl IntoIterator<Item = &'i str>, committed: bool) {
+        let waiters: Vec<_> = {
+            let mut w = self.lock();
+            ids.into_iter()
+                .filter_map(|id| w.settle(id, committed))
+                .collect()
         };
-        if let Some(tx) = tx {
+        for tx in waiters {
             tx.send_replace(Some(committed));
         }
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, Window> {
+        self.ids.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Ids claimed and not yet settled.
     pub fn in_flight(&self) -> usize {
-        self.ids
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .in_flight
-            .len()
+        self.lock().in_flight.len()
     }
 
     /// Marks `id` as seen.
     pub fn insert(&self, id: &str) {
-        self.ids
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .admit(id, || id.to_owned());
+        self.lock().admit(id, || id.to_owned());
     }
 
     /// Bytes counted for the ids held now.
     pub fn bytes(&self) -> usize {
-        self.ids.lock().unwrap_or_else(|e| e.into_inner()).bytes
+        self.lock().bytes
     }
 
     /// Ids currently held.
     pub fn len(&self) -> usize {
-        self.ids.lock().unwrap_or_else(|e| e.into_inner()).lru.len()
+        self.lock().lru.len()
     }
 
     /// Whether no id is held.
@@ -201,45 +223,6 @@ impl Claim {
         match rx.wait_for(Option::is_some).await {
             Ok(v) => v.unwrap_or(false),
             Err(_) => false, // settled and gone: claim again
-        }
-    }
-}
-
-/// Claims taken with [`SeenIds::claim`]; those not settled by
-/// [`ClaimGuard::settle_all`] are settled as failed when the guard drops (an
-/// error, a cancelled task), so a waiting resend stores the records itself.
-pub struct ClaimGuard<'a> {
-    seen: &'a SeenIds,
-    ids: Vec<String>,
-}
-
-impl<'a> ClaimGuard<'a> {
-    pub fn new(seen: &'a SeenIds) -> ClaimGuard<'a> {
-        ClaimGuard {
-            seen,
-            ids: Vec::new(),
-        }
-    }
-
-    /// Holds a claim of `id` (one [`Claim::Mine`] returned).
-    pub fn hold(&mut self, id: &str) {
-        self.ids.push(id.to_owned());
-    }
-
-    /// Settles the held claims of `ids` with `committed`.
-    pub fn settle_all(&mut self, ids: &[String], committed: bool) {
-        for id in ids {
-            self.seen.settle(id, committed);
-        }
-        let done: std::collections::HashSet<&String> = ids.iter().collect();
-        self.ids.retain(|i| !done.contains(i));
-    }
-}
-
-impl Drop for ClaimGuard<'_> {
-    fn drop(&mut self) {
-        for id in self.ids.drain(..) {
-            self.seen.settle(&id, false);
         }
     }
 }
@@ -273,11 +256,7 @@ mod tests {
         let Claim::Pending(mut rx2) = s.claim("a") else {
             panic!("a third claim waits too");
         };
-        {
-            let mut guard = ClaimGuard::new(&s);
-            guard.hold("a");
-            guard.settle_all(&["a".to_owned()], true);
-        }
+        s.settle_each(["a"], true);
         assert!(rt.block_on(Claim::outcome(&mut rx)));
         assert!(
             rt.block_on(Claim::outcome(&mut rx2)),
@@ -286,12 +265,15 @@ mod tests {
         assert!(matches!(s.claim("a"), Claim::Seen));
         assert_eq!(s.len(), 1);
         assert_eq!(s.bytes(), 1 + ENTRY_OVERHEAD_BYTES);
-        assert!(matches!(s.claim("b"), Claim::Mine));
-        drop(ClaimGuard {
-            seen: &s,
-            ids: vec!["b".to_owned()],
-        });
-        assert_eq!(s.in_flight(), 0, "a dropped guard settles its claims");
+        let claims = s.claim_each(["a", "b", "c"]);
+        assert!(matches!(
+            claims[..],
+            [Claim::Seen, Claim::Mine, Claim::Mine]
+        ));
+        assert_eq!(s.in_flight(), 2);
+        assert_eq!(s.contains_each(["a", "b", "c"]), [true, false, false]);
+        s.settle_each(["b", "c"], false);
+        assert_eq!(s.in_flight(), 0, "settled, failed");
         assert!(matches!(s.claim("b"), Claim::Mine));
     }
 

@@ -6,6 +6,7 @@
 //! dedup with in-flight ids, policy, one commit per channel) and the sender
 //! share one connection's state; split, each half would need the other's types.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -24,7 +25,7 @@ use super::status::{LinkStatus, RefusalReason};
 use super::wire::{push_record, split_batch, Ack, Refused};
 use super::{Shared, ACK_TIMEOUT, PING_INTERVAL, READ_TIMEOUT};
 use crate::audit::AuditEvent;
-use crate::dedup::{Claim, ClaimGuard};
+use crate::dedup::Claim;
 use crate::envelope::{
     decode_valid, validate_name, Envelope, NameKind, RecordError, MAX_RECORD_BYTES,
 };
@@ -269,16 +270,26 @@ async fn receive_batch(
 ) -> Result<Ack, String> {
     let records = split_batch(body).map_err(|e| e.to_string())?;
     let limit = shared.link.max_batch_bytes.max(MAX_RECORD_BYTES - 1);
+    let decoded: Vec<_> = records
+        .iter()
+        .map(|rec| decode_valid(rec, limit, NameKind::Channel))
+        .collect();
+    // The dedup window is asked and claimed once per batch, not per record:
+    // its lock is shared by every receiver and local publisher.
+    let mut seen_before = shared
+        .seen
+        .contains_each(
+            decoded
+                .iter()
+                .filter_map(|d| Some(d.as_ref().ok()?.id.as_str())),
+        )
+        .into_iter();
     let mut ack = Ack::default();
     let mut in_batch: FastSet<String> = FastSet::default();
-    // Per channel, in order of first appearance: (channel, lines, ids).
-    let mut groups: Vec<(String, Vec<u8>, Vec<String>)> = Vec::new();
-    // Ids this batch stores (settled as failed if it returns early) and
-    // those another connection is storing at the same moment.
-    let mut claims = ClaimGuard::new(&shared.seen);
-    let mut pending: Vec<(String, Vec<u8>, String, PendingOutcome)> = Vec::new();
-    for rec in records {
-        let env = match decode_valid(rec, limit, NameKind::Channel) {
+    // Records to claim, in batch order: (channel, line, id).
+    let mut wanted: Vec<(String, Cow<[u8]>, String)> = Vec::new();
+    for (rec, env) in records.iter().zip(decoded) {
+        let env = match env {
             Ok(env) => env,
             Err(invalid) => {
                 let reason = match invalid.error {
@@ -298,7 +309,8 @@ async fn receive_batch(
                 continue;
             }
         };
-        if in_batch.contains(&env.id) || shared.seen.contains(&env.id) {
+        let seen = seen_before.next().unwrap_or(false);
+        if seen || in_batch.contains(&env.id) {
             continue;
         }
         // Peers may not write dead letters into a hub: those are only made
@@ -326,7 +338,7 @@ async fn receive_batch(
             continue;
         }
         if let Some(budget) = &inbound.channel_budget {
-            let is_new = !groups.iter().any(|g| g.0 == env.channel)
+            let is_new = !wanted.iter().any(|w| w.0 == env.channel)
                 && !shared
                     .store
                     .channel_dir(&env.channel)
@@ -349,42 +361,54 @@ async fn receive_batch(
             }
         }
         // Store the received bytes verbatim unless they are not one line.
-        let encoded = (rec.contains(&b'\n') || rec.contains(&b'\r')).then(|| env.encode());
-        let line = Line(encoded.as_deref().unwrap_or(rec));
+        let line: Cow<[u8]> = match rec.contains(&b'\n') || rec.contains(&b'\r') {
+            true => Cow::Owned(env.encode()),
+            false => Cow::Borrowed(rec),
+        };
         in_batch.insert(env.id.clone());
         ack.last_id = env.id.clone();
-        match shared.seen.claim(&env.id) {
-            Claim::Seen => continue,
-            // Another connection is storing this id now: wait for it below.
-            Claim::Pending(rx) => pending.push((env.channel, line.to_vec(), env.id, rx)),
-            Claim::Mine => {
-                claims.hold(&env.id);
-                add_to_group(&mut groups, env.channel, line, env.id);
-            }
+        wanted.push((env.channel, line, env.id));
+    }
+    let claims = shared.seen.claim_each(wanted.iter().map(|w| w.2.as_str()));
+    // Claims this batch holds, per channel, settled as failed if it returns
+    // early; records another connection is storing at the same moment.
+    let mut mine = Claimed::new(&shared.seen);
+    let mut pending: Vec<(String, Vec<u8>, String, PendingOutcome)> = Vec::new();
+    for ((channel, line, id), claim) in wanted.into_iter().zip(claims) {
+        match claim {
+            Claim::Seen => {}
+            Claim::Pending(rx) => pending.push((channel, Line(&line).to_vec(), id, rx)),
+            Claim::Mine => mine.add(channel, Line(&line), id),
         }
     }
     loop {
-        for (channel, lines, ids) in std::mem::take(&mut groups) {
+        for group in &mut mine.groups {
             let store = shared.store.clone();
-            let n = ids.len() as u64;
-            let ch = channel.clone();
+            let n = group.ids.len() as u64;
+            let ch = group.channel.clone();
+            let lines = std::mem::take(&mut group.lines);
             let committed =
                 tokio::task::spawn_blocking(move || store.writer(&ch)?.append(&lines, n))
                     .await
                     .map_err(|e| format!("store task failed: {e}"))?;
             if let Err(e) = committed {
                 return Err(format!(
-                    "cannot store {n} records on channel {channel:?}: {e}"
+                    "cannot store {n} records on channel {:?}: {e}",
+                    group.channel
                 ));
             }
             if let Some(counter) = &inbound.received {
                 counter.fetch_add(n, Ordering::Relaxed);
             }
-            claims.settle_all(&ids, true);
+            shared
+                .seen
+                .settle_each(group.ids.iter().map(String::as_str), true);
             shared
                 .audit
-                .log_forwards("inbound", &inbound.peer, &channel, &ids);
+                .log_forwards("inbound", &inbound.peer, &group.channel, &group.ids);
+            group.ids.clear();
         }
+        mine.groups.clear();
         // Records another connection was storing (none of ours is held now,
         // so two batches waiting on each other cannot deadlock): acknowledged
         // once that attempt committed them, stored here if it failed.
@@ -398,10 +422,7 @@ async fn receive_batch(
             match shared.seen.claim(&id) {
                 Claim::Seen => {}
                 Claim::Pending(rx) => pending.push((channel, line, id, rx)),
-                Claim::Mine => {
-                    claims.hold(&id);
-                    add_to_group(&mut groups, channel, Line(&line), id);
-                }
+                Claim::Mine => mine.add(channel, Line(&line), id),
             }
         }
     }
@@ -414,6 +435,52 @@ async fn receive_batch(
 }
 
 type PendingOutcome = tokio::sync::watch::Receiver<Option<bool>>;
+
+/// The records a batch has claimed (`Claim::Mine`), per channel in order of
+/// first appearance. Ids still held when it drops (an error, a cancelled
+/// task) are settled as failed, so a resend waiting on them stores them.
+struct Claimed<'a> {
+    seen: &'a crate::dedup::SeenIds,
+    groups: Vec<Group>,
+}
+
+/// One channel's claimed records: their lines, ready to append, and ids.
+struct Group {
+    channel: String,
+    lines: Vec<u8>,
+    ids: Vec<String>,
+}
+
+impl<'a> Claimed<'a> {
+    fn new(seen: &'a crate::dedup::SeenIds) -> Claimed<'a> {
+        Claimed {
+            seen,
+            groups: Vec::new(),
+        }
+    }
+
+    /// Adds a claimed record to its channel's group.
+    fn add(&mut self, channel: String, line: Line<'_>, id: String) {
+        match self.groups.iter_mut().find(|g| g.channel == channel) {
+            Some(g) => {
+                line.push_to(&mut g.lines);
+                g.ids.push(id);
+            }
+            None => self.groups.push(Group {
+                channel,
+                lines: line.to_vec(),
+                ids: vec![id],
+            }),
+        }
+    }
+}
+
+impl Drop for Claimed<'_> {
+    fn drop(&mut self) {
+        let held = self.groups.iter().flat_map(|g| &g.ids);
+        self.seen.settle_each(held.map(String::as_str), false);
+    }
+}
 
 /// A set with the per-process seeded foldhash (as the store's channel map):
 /// looked up for every record received.
@@ -436,23 +503,6 @@ impl Line<'_> {
         let mut out = Vec::with_capacity(self.0.len() + 1);
         self.push_to(&mut out);
         out
-    }
-}
-
-/// Adds a record's line and id to its channel's group (groups keep the order
-/// of first appearance).
-fn add_to_group(
-    groups: &mut Vec<(String, Vec<u8>, Vec<String>)>,
-    channel: String,
-    line: Line<'_>,
-    id: String,
-) {
-    match groups.iter_mut().find(|g| g.0 == channel) {
-        Some(g) => {
-            line.push_to(&mut g.1);
-            g.2.push(id);
-        }
-        None => groups.push((channel, line.to_vec(), vec![id])),
     }
 }
 
