@@ -22,7 +22,9 @@ use crate::stats::{ChannelSnapshot, EngineStats, SubscriberSnapshot};
 use crate::storage::compaction::{self, CompactionReport, RetentionConfig};
 use crate::storage::offsets::{offset_path, read_offset, subscribers_dir};
 use crate::storage::timeindex::{self, PositionError, SeekCost, StartPosition};
-use crate::storage::{ChannelWriter, LogReader, StorageError, Store, StoreConfig, Ticket};
+use crate::storage::{
+    Appended, ChannelWriter, LogReader, StorageError, Store, StoreConfig, Ticket,
+};
 use crate::subscribe::{Handler, Stop, SubscribeOptions, Subscriber, Wiring};
 use crate::Error;
 
@@ -417,11 +419,42 @@ impl Engine {
 
     /// Publishes one message and returns once it is committed.
     pub fn publish(&self, channel: &str, m: &Outgoing<'_>) -> Result<Published, Error> {
-        let writer = self.publish_writer(channel)?;
+        self.publish_via(channel, m, |append| append())
+    }
+
+    /// [`Engine::publish`], with `wait` running the part that may wait on
+    /// another thread or the disk: opening the channel and appending. When
+    /// the append can be done at once (relaxed mode, the channel's writer
+    /// open and idle: see [`ChannelWriter::try_append_now`]), it is done
+    /// here and `wait` is not called. For a caller holding a lock others wait
+    /// for (the GIL): `wait` lets go of it only when there is a wait, rather
+    /// than around every publish, which costs a context switch per message
+    /// once several threads publish.
+    pub fn publish_via<W>(
+        &self,
+        channel: &str,
+        m: &Outgoing<'_>,
+        wait: W,
+    ) -> Result<Published, Error>
+    where
+        W: FnOnce(&(dyn Fn() -> Result<Appended, Error> + Sync)) -> Result<Appended, Error>,
+    {
+        self.check_open()?;
+        validate_name(NameKind::PublishChannel, channel)?;
         let mut line = Vec::with_capacity(200 + m.payload_json.len());
         let id = self.encode(&mut line, channel, m)?;
         let started = Instant::now();
-        let at = writer.append(&line, 1)?;
+        let now = match self.durable() {
+            true => None,
+            false => self
+                .store
+                .open_writer_now(channel)
+                .and_then(|w| w.try_append_now(&line, 1)),
+        };
+        let at = match now {
+            Some(done) => done?,
+            None => wait(&|| Ok(self.store.writer(channel)?.append(&line, 1)?))?,
+        };
         self.stats.publish.record(started.elapsed());
         if let Some(seen) = self.seen.get() {
             seen.insert(&id);
@@ -430,40 +463,6 @@ impl Engine {
             id,
             offset: at.offset,
         })
-    }
-
-    /// [`Engine::publish`] if it can be done at once, without waiting on
-    /// another thread or the disk (relaxed mode, the channel's writer open
-    /// and idle: see [`ChannelWriter::try_append_now`]). For a caller holding
-    /// a lock others wait for (the GIL), which it would otherwise have to let
-    /// go of and take back around every publish. `None`: nothing was stored;
-    /// call `publish`.
-    pub fn try_publish(&self, channel: &str, m: &Outgoing<'_>) -> Option<Result<Published, Error>> {
-        if self.durable() || self.check_open().is_err() {
-            return None;
-        }
-        if let Err(e) = validate_name(NameKind::PublishChannel, channel) {
-            return Some(Err(e.into()));
-        }
-        let writer = self.store.open_writer_now(channel)?;
-        let mut line = Vec::with_capacity(200 + m.payload_json.len());
-        let id = match self.encode(&mut line, channel, m) {
-            Ok(id) => id,
-            Err(e) => return Some(Err(e)),
-        };
-        let started = Instant::now();
-        let at = match writer.try_append_now(&line, 1)? {
-            Ok(at) => at,
-            Err(e) => return Some(Err(e.into())),
-        };
-        self.stats.publish.record(started.elapsed());
-        if let Some(seen) = self.seen.get() {
-            seen.insert(&id);
-        }
-        Some(Ok(Published {
-            id,
-            offset: at.offset,
-        }))
     }
 
     /// Whether a publish is fdatasynced before it is acknowledged

@@ -1,98 +1,103 @@
-//! `Engine::try_publish`: the relaxed publish taken without waiting, for a
-//! caller that holds the GIL. It stores exactly what `publish` would, and
-//! declines (storing nothing) whenever it would have to wait.
+//! `Engine::publish_via`: a publish that calls its caller's `wait` (where
+//! the binding lets go of the GIL) only when it has to wait: never for a
+//! relaxed publish to an open, idle channel, always for a durable one. It
+//! stores exactly what `publish` would.
 
-use std::path::Path;
+use std::cell::Cell;
 
-use keyop_core::storage::Item;
-use keyop_core::{read_channel, Engine, Envelope, Error, Outgoing, StoreConfig};
+use keyop_core::{Engine, Error, Published};
 
-fn open_engine(data_dir: &Path, sync_interval_ms: u64) -> Engine {
-    Engine::open(
-        StoreConfig {
-            data_dir: data_dir.to_owned(),
-            sync_interval_ms,
-            segment_bytes: 0,
-        },
-        "node",
-    )
-    .expect("open engine")
-}
+mod common;
+use common::{ids_on_disk, msg, open_engine};
 
-fn msg(json: &str) -> Outgoing<'_> {
-    Outgoing {
-        payload_type: "test.T",
-        payload_json: json.as_bytes(),
-        service_name: None,
-        correlation_id: None,
-    }
-}
-
-/// The ids of the records stored in `channel`, in order.
-fn stored_ids(data_dir: &Path, channel: &str) -> Vec<String> {
-    let mut reader = read_channel(data_dir, channel, 0).expect("read channel");
-    let mut ids = Vec::new();
-    while let Some(item) = reader.next_item(u64::MAX).expect("read") {
-        if let Item::Record { line, .. } = item {
-            ids.push(Envelope::decode(&line).expect("valid record").id);
-        }
-    }
-    ids
+/// Publishes with `publish_via`, counting the calls of its `wait`.
+fn publish_counting(
+    engine: &Engine,
+    channel: &str,
+    json: &str,
+    waits: &Cell<u32>,
+) -> Result<Published, Error> {
+    engine.publish_via(channel, &msg(json), |append| {
+        waits.set(waits.get() + 1);
+        append()
+    })
 }
 
 #[test]
-fn relaxed_publish_to_an_open_channel_is_stored_at_once() {
+fn relaxed_publish_to_an_open_channel_needs_no_wait() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let engine = open_engine(tmp.path(), 200);
-    // The channel's writer is opened by the first (full) publish.
-    assert!(engine.try_publish("c", &msg("{\"n\":0}")).is_none());
-    let first = engine.publish("c", &msg("{\"n\":0}")).expect("publish");
-    let now = engine
-        .try_publish("c", &msg("{\"n\":1}"))
-        .expect("taken at once")
-        .expect("stored");
+    let engine = open_engine(tmp.path(), 200).expect("open engine");
+    let waits = Cell::new(0);
+    // The channel's writer is opened by the first publish, in `wait`.
+    let first = publish_counting(&engine, "c", "{\"n\":0}", &waits).expect("publish");
+    assert_eq!(waits.get(), 1, "opening a channel may wait");
+    let now = publish_counting(&engine, "c", "{\"n\":1}", &waits).expect("publish");
+    assert_eq!(waits.get(), 1, "an idle writer takes the record at once");
     assert!(now.offset > first.offset);
-    assert_eq!(stored_ids(tmp.path(), "c"), [first.id, now.id]);
+    assert_eq!(ids_on_disk(tmp.path(), "c"), [first.id, now.id]);
 }
 
 #[test]
-fn declines_in_durable_mode_and_after_close() {
+fn durable_publish_waits_and_a_closed_engine_refuses() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let durable = open_engine(&tmp.path().join("d"), 0);
-    durable.publish("c", &msg("{}")).expect("publish");
-    assert!(durable.try_publish("c", &msg("{}")).is_none());
-    let relaxed = open_engine(&tmp.path().join("r"), 200);
+    let durable = open_engine(&tmp.path().join("d"), 0).expect("open engine");
+    let waits = Cell::new(0);
+    for n in 0..2 {
+        publish_counting(&durable, "c", "{}", &waits).expect("publish");
+        assert_eq!(
+            waits.get(),
+            n + 1,
+            "every durable publish waits for its sync"
+        );
+    }
+    let relaxed = open_engine(&tmp.path().join("r"), 200).expect("open engine");
     relaxed.publish("c", &msg("{}")).expect("publish");
     relaxed.close();
-    assert!(relaxed.try_publish("c", &msg("{}")).is_none());
     assert!(matches!(
-        relaxed.publish("c", &msg("{}")),
+        publish_counting(&relaxed, "c", "{}", &waits),
         Err(Error::Closed(_))
     ));
+    assert_eq!(waits.get(), 2, "nothing to wait for after close");
 }
 
-/// What `publish` refuses, `try_publish` refuses too, even for a channel
+/// What `wait` returns is the outcome: a wait that fails (an interrupted
+/// caller) stores nothing.
+#[test]
+fn a_failed_wait_stores_nothing() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let engine = open_engine(tmp.path(), 0).expect("open engine");
+    let stored = engine.publish("c", &msg("{}")).expect("publish");
+    let refused = engine.publish_via("c", &msg("{}"), |_append| {
+        Err(Error::Closed("interrupted".into()))
+    });
+    assert!(matches!(refused, Err(Error::Closed(_))));
+    assert_eq!(ids_on_disk(tmp.path(), "c"), [stored.id]);
+}
+
+/// What `publish` refuses is refused before any write, even for a channel
 /// whose writer is open (a dead-letter channel, opened by a reader).
 #[test]
 fn refuses_what_publish_refuses() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let engine = open_engine(tmp.path(), 200);
+    let engine = open_engine(tmp.path(), 200).expect("open engine");
     std::fs::create_dir_all(tmp.path().join("channels").join("c.dead-letter")).expect("mkdir");
     let _reader = engine
         .read("c.dead-letter", 0)
         .expect("read opens the writer");
+    let waits = Cell::new(0);
     assert!(matches!(
-        engine.try_publish("c.dead-letter", &msg("{}")),
-        Some(Err(Error::InvalidName(_)))
+        publish_counting(&engine, "c.dead-letter", "{}", &waits),
+        Err(Error::InvalidName(_))
     ));
     engine.publish("c", &msg("{}")).expect("publish");
     let huge = format!("{{\"pad\":\"{}\"}}", "x".repeat(11 << 20));
     assert!(matches!(
-        engine.try_publish("c", &msg(&huge)),
-        Some(Err(Error::TooLarge { .. }))
+        publish_counting(&engine, "c", &huge, &waits),
+        Err(Error::TooLarge { .. })
     ));
+    assert_eq!(waits.get(), 0);
     assert_eq!(
-        stored_ids(tmp.path(), "c").len(),
+        ids_on_disk(tmp.path(), "c").len(),
         1,
         "nothing refused was stored"
     );

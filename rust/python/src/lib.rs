@@ -247,11 +247,10 @@ impl MessengerBase {
         // Relaxed mode: a write that needs no wait is done holding the GIL,
         // rather than letting it go and contending for it back (which, with
         // several publishing threads, costs a context switch per message).
-        let published = match path.engine.try_publish(channel, &msg) {
-            Some(done) => done,
-            None => py.detach(|| path.engine.publish(channel, &msg)),
-        }
-        .py_err(py)?;
+        let published = path
+            .engine
+            .publish_via(channel, &msg, |append| py.detach(append))
+            .py_err(py)?;
         Ok(PyString::new(py, &published.id).into_any())
     }
 }
