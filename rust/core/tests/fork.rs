@@ -8,48 +8,16 @@
 
 use std::io::{Read as _, Write as _};
 use std::os::unix::io::FromRawFd;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use keyop_core::envelope::Stamp;
 use keyop_core::storage::StorageError;
-use keyop_core::{
-    read_channel, BatchOutcome, Delivery, Engine, Error, Handler, Outgoing, StoreConfig,
-    SubscribeOptions,
-};
+use keyop_core::{BatchOutcome, Delivery, Error, Handler, SubscribeOptions};
 
-fn open_engine(data_dir: &Path) -> Result<Engine, Error> {
-    Engine::open(
-        StoreConfig {
-            data_dir: data_dir.to_owned(),
-            sync_interval_ms: 0,
-            segment_bytes: 0,
-        },
-        "node",
-    )
-}
-
-fn msg(json: &str) -> Outgoing<'_> {
-    Outgoing {
-        payload_type: "test.T",
-        payload_json: json.as_bytes(),
-        service_name: None,
-        correlation_id: None,
-    }
-}
-
-fn ids_on_disk(data_dir: &Path, channel: &str) -> Vec<String> {
-    let mut r = read_channel(data_dir, channel, 0).expect("reader");
-    let mut out = Vec::new();
-    while let Some(item) = r.next_item(u64::MAX).expect("read") {
-        if let keyop_core::storage::Item::Record { line, .. } = item {
-            out.push(keyop_core::Envelope::decode(&line).expect("valid").id);
-        }
-    }
-    out
-}
+mod common;
+use common::{ids_on_disk, msg, open_engine};
 
 /// Forks; the child runs `f`, writes its output to a pipe and `_exit`s
 /// (0 on success, 1 when `f` panicked). Returns (exit code, output).
@@ -124,7 +92,7 @@ fn fork_scenarios() {
 
 fn inherited_engine_refuses_and_releases_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(dir.path()).unwrap();
+    let engine = open_engine(dir.path(), 0).unwrap();
     let stuck = Stuck::default();
     stuck.release.store(true, Ordering::SeqCst);
     let _sub = engine
@@ -148,7 +116,7 @@ fn inherited_engine_refuses_and_releases_nothing() {
     );
     assert!(out.contains("open a new one in the child"), "{out}");
     // (The engine moved into the closure is the parent's too: reopen.)
-    let engine = open_engine(dir.path()).unwrap();
+    let engine = open_engine(dir.path(), 0).unwrap();
     let second = engine.publish("c", &msg("{}")).unwrap().id;
     drop(engine);
     assert_eq!(ids_on_disk(dir.path(), "c"), vec![first, second]);
@@ -156,7 +124,7 @@ fn inherited_engine_refuses_and_releases_nothing() {
 
 fn child_does_not_keep_the_lock() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(dir.path()).unwrap();
+    let engine = open_engine(dir.path(), 0).unwrap();
     let mut go = [0; 2];
     assert_eq!(unsafe { libc::pipe(go.as_mut_ptr()) }, 0);
     let (rd, wr) = (go[0], go[1]);
@@ -167,7 +135,7 @@ fn child_does_not_keep_the_lock() {
     if child == 0 {
         unsafe { libc::close(wr) };
         let locked = matches!(
-            open_engine(&path),
+            open_engine(&path, 0),
             Err(Error::Storage(StorageError::Locked(_)))
         );
         let mut b = [0u8; 1];
@@ -178,7 +146,7 @@ fn child_does_not_keep_the_lock() {
     // Give the child time to try the lock while the parent holds it.
     std::thread::sleep(Duration::from_millis(200));
     engine.close();
-    let reopened = open_engine(dir.path());
+    let reopened = open_engine(dir.path(), 0);
     unsafe { libc::write(wr, b"x".as_ptr().cast(), 1) };
     unsafe { libc::close(wr) };
     let mut status = 0;

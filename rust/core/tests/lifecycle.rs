@@ -2,36 +2,15 @@
 //! handler's message stays unacknowledged), and readers that never create
 //! paths. Fork safety is in fork.rs.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use keyop_core::storage::StorageError;
-use keyop_core::{
-    read_channel, BatchOutcome, Delivery, Engine, Error, Handler, Outgoing, StoreConfig,
-    SubscribeOptions,
-};
+use keyop_core::{read_channel, BatchOutcome, Delivery, Error, Handler, SubscribeOptions};
 
-fn open_engine(data_dir: &Path) -> Result<Engine, Error> {
-    Engine::open(
-        StoreConfig {
-            data_dir: data_dir.to_owned(),
-            sync_interval_ms: 0,
-            segment_bytes: 0,
-        },
-        "node",
-    )
-}
-
-fn msg(json: &str) -> Outgoing<'_> {
-    Outgoing {
-        payload_type: "test.T",
-        payload_json: json.as_bytes(),
-        service_name: None,
-        correlation_id: None,
-    }
-}
+mod common;
+use common::{msg, open_engine};
 
 /// A handler that records its first call, then blocks until released.
 #[derive(Clone, Default)]
@@ -69,7 +48,7 @@ fn wait_for(flag: &AtomicBool) {
 #[test]
 fn close_gives_up_on_a_stuck_handler_and_keeps_its_message() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(dir.path()).unwrap();
+    let engine = open_engine(dir.path(), 0).unwrap();
     let stuck = Stuck::default();
     let _sub = engine
         .subscribe("c", "s", stuck.clone(), SubscribeOptions::default())
@@ -83,7 +62,7 @@ fn close_gives_up_on_a_stuck_handler_and_keeps_its_message() {
 
     let again = Stuck::default();
     again.release.store(true, Ordering::SeqCst);
-    let engine = open_engine(dir.path()).unwrap();
+    let engine = open_engine(dir.path(), 0).unwrap();
     let _sub = engine
         .subscribe("c", "s", again.clone(), SubscribeOptions::default())
         .unwrap();
@@ -97,7 +76,7 @@ fn close_gives_up_on_a_stuck_handler_and_keeps_its_message() {
 #[test]
 fn close_wait_can_be_interrupted() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(dir.path()).unwrap();
+    let engine = open_engine(dir.path(), 0).unwrap();
     let stuck = Stuck::default();
     let _sub = engine
         .subscribe("c", "s", stuck.clone(), SubscribeOptions::default())
@@ -113,7 +92,7 @@ fn close_wait_can_be_interrupted() {
     assert_eq!(asked, 2);
     stuck.release.store(true, Ordering::SeqCst);
     // Released: the directory can be opened again.
-    drop(open_engine(dir.path()).unwrap());
+    drop(open_engine(dir.path(), 0).unwrap());
 }
 
 #[test]
@@ -126,7 +105,7 @@ fn readers_create_nothing() {
     ));
     assert!(!missing.exists());
     let data = dir.path().join("data");
-    let engine = open_engine(&data).unwrap();
+    let engine = open_engine(&data, 0).unwrap();
     assert!(matches!(
         engine.read("c", 0),
         Err(Error::Storage(StorageError::ChannelNotFound { .. }))
