@@ -188,8 +188,15 @@ class Publisher:
 # ---------------------------------------------------------------------------
 
 
-def test_cut_connections_mid_stream(pki: PKI, tmp_path: Path, start: Starter, proxies: Any) -> None:
-    hub, client, proxy = linked(pki, tmp_path, start, proxies, subscribe=("cmds",))
+@pytest.mark.parametrize("max_batch_bytes", [None, 1024], ids=["default-batches", "small-batches"])
+def test_cut_connections_mid_stream(
+    pki: PKI, tmp_path: Path, start: Starter, proxies: Any, max_batch_bytes: int | None
+) -> None:
+    """With small batches, the client reads each next batch while the hub
+    stores the one before: a cut drops that read-ahead batch, and the next
+    connection sends it again from the persisted cursor."""
+    batches = {"max_batch_bytes": max_batch_bytes} if max_batch_bytes else {}
+    hub, client, proxy = linked(pki, tmp_path, start, proxies, subscribe=("cmds",), **batches)
     hub_dir, node_dir = tmp_path / "hub", tmp_path / "node1"
     pub = Publisher(client, "temps", 600)
     cmds: list[str] = []

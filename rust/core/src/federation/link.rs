@@ -60,6 +60,8 @@ struct Batch {
     end: u64,
     /// Byte ranges the reader skipped because their segments are gone.
     gaps: Vec<(u64, u64)>,
+    /// The batch is full: more records were there to read.
+    full: bool,
 }
 
 impl OutChannel {
@@ -71,6 +73,7 @@ impl OutChannel {
         let mut ids = Vec::new();
         let mut json_bytes = 0;
         let mut gaps = Vec::new();
+        let mut full = false;
         loop {
             let before = self.reader.position();
             let Some(item) = self.reader.next_item(limit)? else {
@@ -92,12 +95,14 @@ impl OutChannel {
             }
             if !ids.is_empty() && json_bytes + line.len() > max_bytes {
                 self.reader.seek(before);
+                full = true;
                 break;
             }
             push_record(&mut body, &line);
             json_bytes += line.len();
             ids.push(env.id);
             if json_bytes >= max_bytes {
+                full = true;
                 break;
             }
         }
@@ -106,6 +111,7 @@ impl OutChannel {
             ids,
             end: self.reader.position(),
             gaps,
+            full,
         })
     }
 }
@@ -522,6 +528,12 @@ where
     // Channels already warned about on this connection (one warning each).
     let mut warned: HashSet<String> = HashSet::new();
     let mut positions: Vec<u64> = chans.iter().map(|c| c.reader.position()).collect();
+    // Per channel, the batch read while the previous one was at the peer:
+    // reading it then overlaps our reading with the peer's storing, which
+    // stop-and-wait would otherwise run one after the other. Nothing of it
+    // is logged or acknowledged until it is sent (a broken connection drops
+    // it; the next one reads it again from the persisted cursor).
+    let mut read_ahead: Vec<Option<Batch>> = chans.iter().map(|_| None).collect();
     loop {
         if cancel.is_cancelled() {
             return None;
@@ -529,7 +541,11 @@ where
         let mut sent = false;
         let mut read_failed = false;
         for (i, ch) in chans.iter_mut().enumerate() {
-            let batch = match tokio::task::block_in_place(|| ch.read_batch(max_bytes)) {
+            let read = match read_ahead[i].take() {
+                Some(batch) => Ok(batch),
+                None => tokio::task::block_in_place(|| ch.read_batch(max_bytes)),
+            };
+            let batch = match read {
                 Ok(b) => b,
                 Err(e) => {
                     static READ_ERRORS: RateLimit = RateLimit::new(Duration::from_secs(10));
@@ -561,10 +577,16 @@ where
                     m.unacked_bytes
                         .store(batch.body.len() as u64, Ordering::Relaxed);
                 }
+                let full = batch.full;
                 let msg = Message::Binary(batch.body.into());
                 if let Err(e) = sink.lock().await.send(msg).await {
                     cancel.cancel();
                     return Some(format!("cannot send a batch: {e}"));
+                }
+                if full {
+                    // More is likely waiting: read it while the peer stores this one
+                    // (an error is met again, and reported, on the next read).
+                    read_ahead[i] = tokio::task::block_in_place(|| ch.read_batch(max_bytes)).ok();
                 }
                 let ack = tokio::select! {
                     _ = cancel.cancelled() => return None,
