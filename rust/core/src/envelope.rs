@@ -308,8 +308,64 @@ pub struct Invalid {
 /// `kind`) and payload depth. On error only a valid id and a valid channel
 /// name are kept (so a refusal can name them; an invalid one is never echoed).
 pub fn decode_valid(rec: &[u8], limit: usize, kind: NameKind) -> Result<Envelope, Box<Invalid>> {
-    let invalid = |error: RecordError, env: Option<Envelope>| {
-        let (mut id, mut channel) = env.map(|e| (e.id, e.channel)).unwrap_or_default();
+    decode_checked(rec, limit, kind)
+}
+
+/// [`decode_valid`], borrowing the fields from `rec` (a receiver that
+/// keeps only the id and channel of each record copies nothing else).
+pub fn decode_valid_ref(
+    rec: &[u8],
+    limit: usize,
+    kind: NameKind,
+) -> Result<EnvelopeRef<'_>, Box<Invalid>> {
+    decode_checked(rec, limit, kind)
+}
+
+/// An envelope as [`decode_valid`] and [`decode_valid_ref`] check it.
+trait Checked<'a>: Sized {
+    fn decode(line: &'a [u8]) -> Result<Self, DecodeError>;
+    fn header(&self) -> Header<'_>;
+    fn payload(&self) -> &str;
+    fn into_id_channel(self) -> (String, String);
+}
+
+impl<'a> Checked<'a> for Envelope {
+    fn decode(line: &'a [u8]) -> Result<Self, DecodeError> {
+        Envelope::decode(line)
+    }
+    fn header(&self) -> Header<'_> {
+        Envelope::header(self)
+    }
+    fn payload(&self) -> &str {
+        self.payload.get()
+    }
+    fn into_id_channel(self) -> (String, String) {
+        (self.id, self.channel)
+    }
+}
+
+impl<'a> Checked<'a> for EnvelopeRef<'a> {
+    fn decode(line: &'a [u8]) -> Result<Self, DecodeError> {
+        EnvelopeRef::decode(line)
+    }
+    fn header(&self) -> Header<'_> {
+        EnvelopeRef::header(self)
+    }
+    fn payload(&self) -> &str {
+        &self.payload
+    }
+    fn into_id_channel(self) -> (String, String) {
+        (self.id.into_owned(), self.channel.into_owned())
+    }
+}
+
+fn decode_checked<'a, E: Checked<'a>>(
+    rec: &'a [u8],
+    limit: usize,
+    kind: NameKind,
+) -> Result<E, Box<Invalid>> {
+    let invalid = |error: RecordError, env: Option<E>| {
+        let (mut id, mut channel) = env.map(E::into_id_channel).unwrap_or_default();
         if validate_id(&id).is_err() {
             id.clear();
         }
@@ -323,9 +379,9 @@ pub fn decode_valid(rec: &[u8], limit: usize, kind: NameKind) -> Result<Envelope
             size: rec.len(),
             limit,
         };
-        return Err(invalid(error, Envelope::decode(rec).ok()));
+        return Err(invalid(error, E::decode(rec).ok()));
     }
-    let env = match Envelope::decode(rec) {
+    let env = match E::decode(rec) {
         Ok(env) => env,
         // A decode error may quote a value of any length: keep 200 characters.
         Err(e) => {
@@ -333,19 +389,8 @@ pub fn decode_valid(rec: &[u8], limit: usize, kind: NameKind) -> Result<Envelope
             return Err(invalid(RecordError::Unreadable(text), None));
         }
     };
-    let checked = validate_header(
-        &Header {
-            id: &env.id,
-            ts: &env.ts,
-            channel: &env.channel,
-            origin: &env.origin,
-            payload_type: &env.payload_type,
-            correlation_id: env.correlation_id.as_deref(),
-            service_name: env.service_name.as_deref(),
-        },
-        kind,
-    )
-    .and_then(|()| check_payload_depth(env.payload.get().as_bytes()));
+    let checked = validate_header(&env.header(), kind)
+        .and_then(|()| check_payload_depth(env.payload().as_bytes()));
     match checked {
         Ok(()) => Ok(env),
         Err(e) => Err(invalid(e, Some(env))),
@@ -798,6 +843,27 @@ fn non_empty(field: Option<Cow<'_, str>>) -> Option<Cow<'_, str>> {
 }
 
 impl<'a> EnvelopeRef<'a> {
+    /// The header fields, as [`encode_record`] takes them.
+    pub fn header(&self) -> Header<'_> {
+        Header {
+            id: &self.id,
+            ts: &self.ts,
+            channel: &self.channel,
+            origin: &self.origin,
+            payload_type: &self.payload_type,
+            correlation_id: self.correlation_id.as_deref(),
+            service_name: self.service_name.as_deref(),
+        }
+    }
+
+    /// This envelope as one record line (with `\n`), as [`Envelope::encode`]
+    /// makes it.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(160 + self.payload.len());
+        encode_record(&mut out, &self.header(), self.payload.as_bytes());
+        out
+    }
+
     /// Decodes one line (without its `\n`) as [`Envelope::decode`] does,
     /// borrowing what needs no unescaping.
     pub fn decode(line: &'a [u8]) -> Result<EnvelopeRef<'a>, DecodeError> {
@@ -850,22 +916,23 @@ impl Envelope {
         })
     }
 
+    /// The header fields, as [`encode_record`] takes them.
+    pub fn header(&self) -> Header<'_> {
+        Header {
+            id: &self.id,
+            ts: &self.ts,
+            channel: &self.channel,
+            origin: &self.origin,
+            payload_type: &self.payload_type,
+            correlation_id: self.correlation_id.as_deref(),
+            service_name: self.service_name.as_deref(),
+        }
+    }
+
     /// This envelope as one record line (with `\n`), keys in the original's order.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(160 + self.payload.get().len());
-        encode_record(
-            &mut out,
-            &Header {
-                id: &self.id,
-                ts: &self.ts,
-                channel: &self.channel,
-                origin: &self.origin,
-                payload_type: &self.payload_type,
-                correlation_id: self.correlation_id.as_deref(),
-                service_name: self.service_name.as_deref(),
-            },
-            self.payload.get().as_bytes(),
-        );
+        encode_record(&mut out, &self.header(), self.payload.get().as_bytes());
         out
     }
 }

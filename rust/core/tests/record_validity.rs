@@ -3,8 +3,8 @@
 
 use keyop_core::engine::{encode_message, Outgoing};
 use keyop_core::envelope::{
-    check_payload_depth, decode_valid, validate_field, validate_id, RecordError, MAX_FIELD_BYTES,
-    MAX_ID_BYTES, MAX_PAYLOAD_DEPTH, MAX_RECORD_BYTES,
+    check_payload_depth, decode_valid, decode_valid_ref, validate_field, validate_id, RecordError,
+    MAX_FIELD_BYTES, MAX_ID_BYTES, MAX_PAYLOAD_DEPTH, MAX_RECORD_BYTES,
 };
 use keyop_core::{Error, NameKind};
 
@@ -150,6 +150,94 @@ fn received_records_are_checked_and_never_echo_bad_values() {
     );
     let bad = decode_valid(long_ts.as_bytes(), MAX_RECORD_BYTES, NameKind::Channel).unwrap_err();
     assert!(bad.error.to_string().len() < 300);
+}
+
+/// The borrowing decoder (a hub's receive path) accepts and refuses exactly
+/// what the owning one does, with the same fields and the same line.
+#[test]
+fn the_borrowing_decoder_agrees_with_the_owning_one() {
+    let escaped = br#"{"v":1,"id":"e\u002d1","ts":"2026-03-31T14:22:01Z","channel":"te\u006dps","origin":"n\"1","payload_type":"t","correlation_id":"","service_name":"s","payload":{"a":"\n"}}"#;
+    let broken = b"{\"v\":1,\"id\":\"b-1\",\"ts\":\"2026-03-31T14:22:01Z\",\"channel\":\"temps\",\"payload\":{\"a\":\r\n1}}";
+    let cases: Vec<(Vec<u8>, usize, NameKind)> = vec![
+        (
+            record("01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f", "temps", "{}"),
+            MAX_RECORD_BYTES,
+            NameKind::Channel,
+        ),
+        (
+            record("id-1", "temps", &nested(100_000)),
+            MAX_RECORD_BYTES,
+            NameKind::Channel,
+        ),
+        (
+            record(&"x".repeat(MAX_ID_BYTES + 1), "temps", "{}"),
+            usize::MAX,
+            NameKind::Channel,
+        ),
+        (
+            record("id-2", "../etc", "{}"),
+            MAX_RECORD_BYTES,
+            NameKind::Channel,
+        ),
+        (
+            record("id-3", "temps", "\"0123456789\""),
+            50,
+            NameKind::Channel,
+        ),
+        (
+            record("id-4", "temps.dead-letter", "1"),
+            MAX_RECORD_BYTES,
+            NameKind::PublishChannel,
+        ),
+        (
+            record("id-5", "temps.dead-letter", "1"),
+            MAX_RECORD_BYTES,
+            NameKind::Channel,
+        ),
+        (b"{not json".to_vec(), MAX_RECORD_BYTES, NameKind::Channel),
+        (
+            br#"{"v":2,"id":"a","ts":"2026-03-31T14:22:01Z","channel":"c"}"#.to_vec(),
+            MAX_RECORD_BYTES,
+            NameKind::Channel,
+        ),
+        (
+            br#"{"v":1,"id":"a","ts":"yesterday","channel":"c"}"#.to_vec(),
+            MAX_RECORD_BYTES,
+            NameKind::Channel,
+        ),
+        (
+            br#"{"v":1,"id":"a","ts":"2026-03-31T14:22:01Z","channel":"c"}"#.to_vec(),
+            MAX_RECORD_BYTES,
+            NameKind::Channel,
+        ),
+        (escaped.to_vec(), MAX_RECORD_BYTES, NameKind::Channel),
+        (broken.to_vec(), MAX_RECORD_BYTES, NameKind::Channel),
+    ];
+    let mut accepted = 0;
+    for (rec, limit, kind) in &cases {
+        let text = String::from_utf8_lossy(&rec[..rec.len().min(80)]).into_owned();
+        match (
+            decode_valid(rec, *limit, *kind),
+            decode_valid_ref(rec, *limit, *kind),
+        ) {
+            (Ok(owned), Ok(borrowed)) => {
+                accepted += 1;
+                assert_eq!(owned.id, borrowed.id, "{text}");
+                assert_eq!(owned.channel, borrowed.channel, "{text}");
+                assert_eq!(owned.encode(), borrowed.encode(), "{text}");
+            }
+            (Err(owned), Err(borrowed)) => assert_eq!(owned, borrowed, "{text}"),
+            (owned, borrowed) => panic!(
+                "{text}: owned {:?}, borrowed {:?}",
+                owned.map(|e| e.id),
+                borrowed.map(|e| e.id.into_owned())
+            ),
+        }
+    }
+    assert_eq!(
+        accepted, 5,
+        "the valid, the dead letter, the minimal, the escaped and the broken"
+    );
 }
 
 #[test]

@@ -27,7 +27,7 @@ use super::{Shared, ACK_TIMEOUT, PING_INTERVAL, READ_TIMEOUT};
 use crate::audit::AuditEvent;
 use crate::dedup::Claim;
 use crate::envelope::{
-    decode_valid, validate_name, Envelope, NameKind, RecordError, MAX_RECORD_BYTES,
+    decode_valid_ref, validate_name, EnvelopeRef, NameKind, RecordError, MAX_RECORD_BYTES,
 };
 use crate::lograte::RateLimit;
 use crate::storage::offsets::write_offset;
@@ -87,7 +87,7 @@ impl OutChannel {
                 }
                 Item::Oversize { .. } => continue,
             };
-            let Ok(env) = Envelope::decode(&line) else {
+            let Ok(env) = EnvelopeRef::decode(&line) else {
                 continue;
             };
             if self.only_origin.as_ref().is_some_and(|o| *o != env.origin) {
@@ -100,7 +100,7 @@ impl OutChannel {
             }
             push_record(&mut body, &line);
             json_bytes += line.len();
-            ids.push(env.id);
+            ids.push(env.id.into_owned());
             if json_bytes >= max_bytes {
                 full = true;
                 break;
@@ -278,22 +278,21 @@ async fn receive_batch(
     let limit = shared.link.max_batch_bytes.max(MAX_RECORD_BYTES - 1);
     let decoded: Vec<_> = records
         .iter()
-        .map(|rec| decode_valid(rec, limit, NameKind::Channel))
+        .map(|rec| decode_valid_ref(rec, limit, NameKind::Channel))
         .collect();
     // The dedup window is asked and claimed once per batch, not per record:
     // its lock is shared by every receiver and local publisher.
     let mut seen_before = shared
         .seen
-        .contains_each(
-            decoded
-                .iter()
-                .filter_map(|d| Some(d.as_ref().ok()?.id.as_str())),
-        )
+        .contains_each(decoded.iter().filter_map(|d| Some(&*d.as_ref().ok()?.id)))
         .into_iter();
     let mut ack = Ack::default();
-    let mut in_batch: FastSet<String> = FastSet::default();
+    let mut in_batch: FastSet<Cow<str>> = FastSet::default();
     // Records to claim, in batch order: (channel, line, id).
-    let mut wanted: Vec<(String, Cow<[u8]>, String)> = Vec::new();
+    let mut wanted: Vec<(Cow<str>, Cow<[u8]>, String)> = Vec::new();
+    // Whether the last record that counts for the acknowledgement is the
+    // last of `wanted` (else a refused one set `ack.last_id`).
+    let mut last_wanted = false;
     for (rec, env) in records.iter().zip(decoded) {
         let env = match env {
             Ok(env) => env,
@@ -310,13 +309,14 @@ async fn receive_batch(
                 refuse(shared, inbound, &refused, &invalid.error.to_string());
                 if !refused.id.is_empty() {
                     ack.last_id = refused.id.clone();
+                    last_wanted = false;
                 }
                 ack.refused.push(refused);
                 continue;
             }
         };
         let seen = seen_before.next().unwrap_or(false);
-        if seen || in_batch.contains(&env.id) {
+        if seen || in_batch.contains(&*env.id) {
             continue;
         }
         // Peers may not write dead letters into a hub: those are only made
@@ -326,11 +326,11 @@ async fn receive_batch(
             && inbound
                 .allow
                 .as_ref()
-                .is_none_or(|a| a.contains(&env.channel));
+                .is_none_or(|a| a.contains(&*env.channel));
         if !allowed {
             let refused = Refused {
-                id: env.id.clone(),
-                channel: env.channel.clone(),
+                id: env.id.to_string(),
+                channel: env.channel.to_string(),
                 reason: RefusalReason::Policy.as_str().into(),
             };
             refuse(
@@ -339,7 +339,8 @@ async fn receive_batch(
                 &refused,
                 "channel not allowed for this peer",
             );
-            ack.last_id = env.id;
+            ack.last_id = env.id.into_owned();
+            last_wanted = false;
             ack.refused.push(refused);
             continue;
         }
@@ -351,8 +352,8 @@ async fn receive_batch(
                     .is_ok_and(|d| d.is_dir());
             if is_new && !budget.try_create(&env.channel) {
                 let refused = Refused {
-                    id: env.id.clone(),
-                    channel: env.channel.clone(),
+                    id: env.id.to_string(),
+                    channel: env.channel.to_string(),
                     reason: RefusalReason::ChannelLimit.as_str().into(),
                 };
                 refuse(
@@ -361,7 +362,8 @@ async fn receive_batch(
                     &refused,
                     "the peer's max_channels is reached",
                 );
-                ack.last_id = env.id;
+                ack.last_id = env.id.into_owned();
+                last_wanted = false;
                 ack.refused.push(refused);
                 continue;
             }
@@ -372,8 +374,11 @@ async fn receive_batch(
             false => Cow::Borrowed(rec),
         };
         in_batch.insert(env.id.clone());
-        ack.last_id = env.id.clone();
-        wanted.push((env.channel, line, env.id));
+        last_wanted = true;
+        wanted.push((env.channel, line, env.id.into_owned()));
+    }
+    if last_wanted {
+        ack.last_id = wanted.last().map(|w| w.2.clone()).unwrap_or_default();
     }
     let claims = shared.seen.claim_each(wanted.iter().map(|w| w.2.as_str()));
     // Claims this batch holds, per channel, settled as failed if it returns
@@ -383,8 +388,10 @@ async fn receive_batch(
     for ((channel, line, id), claim) in wanted.into_iter().zip(claims) {
         match claim {
             Claim::Seen => {}
-            Claim::Pending(rx) => pending.push((channel, Line(&line).to_vec(), id, rx)),
-            Claim::Mine => mine.add(channel, Line(&line), id),
+            Claim::Pending(rx) => {
+                pending.push((channel.into_owned(), Line(&line).to_vec(), id, rx))
+            }
+            Claim::Mine => mine.add(&channel, Line(&line), id),
         }
     }
     loop {
@@ -428,7 +435,7 @@ async fn receive_batch(
             match shared.seen.claim(&id) {
                 Claim::Seen => {}
                 Claim::Pending(rx) => pending.push((channel, line, id, rx)),
-                Claim::Mine => mine.add(channel, Line(&line), id),
+                Claim::Mine => mine.add(&channel, Line(&line), id),
             }
         }
     }
@@ -466,14 +473,14 @@ impl<'a> Claimed<'a> {
     }
 
     /// Adds a claimed record to its channel's group.
-    fn add(&mut self, channel: String, line: Line<'_>, id: String) {
+    fn add(&mut self, channel: &str, line: Line<'_>, id: String) {
         match self.groups.iter_mut().find(|g| g.channel == channel) {
             Some(g) => {
                 line.push_to(&mut g.lines);
                 g.ids.push(id);
             }
             None => self.groups.push(Group {
-                channel,
+                channel: channel.to_owned(),
                 lines: line.to_vec(),
                 ids: vec![id],
             }),
