@@ -12,7 +12,7 @@ use std::time::SystemTime;
 
 use serde::Serialize;
 
-use crate::envelope::format_ts;
+use crate::envelope::{format_ts, push_json_str};
 
 /// One audit record; its `ts` is the time it is logged.
 #[derive(Debug, Default, Clone)]
@@ -66,6 +66,35 @@ struct Record<'a> {
     peer_addr: &'a str,
     #[serde(skip_serializing_if = "str::is_empty")]
     detail: &'a str,
+}
+
+/// One line of the log.
+enum Line<'a> {
+    Record(Record<'a>),
+    /// A `forward` record: `head` ends with `"message_id":`, the id follows
+    /// as a JSON string, then `tail` (the other keys and the closing brace).
+    Forward {
+        head: &'a [u8],
+        id: &'a str,
+        tail: &'a [u8],
+    },
+}
+
+impl Line<'_> {
+    /// Appends the line, with its `\n`, to `buf`.
+    fn write_to(&self, buf: &mut Vec<u8>) {
+        match self {
+            Line::Record(rec) => {
+                serde_json::to_writer(&mut *buf, rec).expect("audit record serialises")
+            }
+            Line::Forward { head, id, tail } => {
+                buf.extend_from_slice(head);
+                push_json_str(buf, id);
+                buf.extend_from_slice(tail);
+            }
+        }
+        buf.push(b'\n');
+    }
 }
 
 /// A duration rounded to milliseconds in Go's `time.Duration` text form, as
@@ -146,41 +175,62 @@ impl AuditLog {
     /// returned, and a closed log ignores the call.
     pub fn log(&self, ev: AuditEvent) {
         let ts = format_ts(SystemTime::now());
-        self.write_records(std::iter::once(ev.record(&ts)));
+        self.write_records(std::iter::once(Line::Record(ev.record(&ts))));
     }
 
     /// Appends one `forward` record per id of a batch forwarded on `channel`
     /// to or from `peer` (`direction` is `inbound` or `outbound`), with one
     /// timestamp and one write for the batch (rotating where a record fills
-    /// the file, as [`AuditLog::log`] does).
+    /// the file, as [`AuditLog::log`] does). The keys around the id are the
+    /// same for every record of the batch, so they are encoded once.
     pub fn log_forwards(&self, direction: &str, peer: &str, channel: &str, ids: &[String]) {
         if ids.is_empty() {
             return;
         }
         let ts = format_ts(SystemTime::now());
-        self.write_records(ids.iter().map(|id| Record {
+        let record = |message_id| Record {
             ts: &ts,
             event: "forward",
-            message_id: id,
+            message_id,
             channel,
             direction,
             peer,
             peer_addr: "",
             detail: "",
+        };
+        // `{"ts":…,"event":"forward"` is followed by the id, then by what a
+        // record without an id has after those two keys.
+        let head_only = Record {
+            channel: "",
+            direction: "",
+            peer: "",
+            ..record("")
+        };
+        let mut head = serde_json::to_vec(&head_only).expect("audit record serialises");
+        head.pop(); // its closing brace
+        let without_id = serde_json::to_vec(&record("")).expect("audit record serialises");
+        let tail = &without_id[head.len()..];
+        head.extend_from_slice(b",\"message_id\":");
+        self.write_records(ids.iter().map(|id| match id.is_empty() {
+            false => Line::Forward {
+                head: &head,
+                id,
+                tail,
+            },
+            true => Line::Record(record(id)),
         }));
     }
 
     /// Writes records with as few writes as rotation allows: the file rotates
     /// right after the record that brings it to the size limit.
-    fn write_records<'a>(&self, records: impl IntoIterator<Item = Record<'a>>) {
+    fn write_records<'a>(&self, records: impl IntoIterator<Item = Line<'a>>) {
         let mut guard = self.live.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
             return;
         }
         let mut buf = Vec::with_capacity(256);
         for rec in records {
-            serde_json::to_writer(&mut buf, &rec).expect("audit record serialises");
-            buf.push(b'\n');
+            rec.write_to(&mut buf);
             let Some(live) = guard.as_mut() else { return };
             if live.size + buf.len() as u64 >= self.max_bytes {
                 if !self.append(live, &mut buf) {
@@ -287,6 +337,51 @@ mod tests {
         log.close();
         log.log(AuditEvent::new("ignored after close"));
         log.log_forwards("inbound", "p", "c", &["ignored".to_owned()]);
+    }
+
+    /// A forward record encoded once around its id reads as serde writes
+    /// the whole record, whatever the id's characters and whichever of the
+    /// other keys are empty.
+    #[test]
+    fn forward_lines_are_what_serde_writes() {
+        let ids: Vec<String> = [
+            "plain",
+            "q\"uote",
+            "back\\slash",
+            "ünï\u{1F600}",
+            "\u{1}ctl",
+            "",
+        ]
+        .map(String::from)
+        .to_vec();
+        for (direction, peer, channel) in [
+            ("inbound", "p", "c"),
+            ("outbound", "", "c\"h"),
+            ("", "", ""),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let log = AuditLog::open(dir.path(), 1, 3).unwrap();
+            log.log_forwards(direction, peer, channel, &ids);
+            let text = fs::read_to_string(log.path()).unwrap();
+            let lines: Vec<&str> = text.lines().collect();
+            assert_eq!(lines.len(), ids.len());
+            for (line, id) in lines.iter().zip(&ids) {
+                let ts: serde_json::Value = serde_json::from_str(line).unwrap();
+                let ts = ts["ts"].as_str().unwrap();
+                let want = serde_json::to_string(&Record {
+                    ts,
+                    event: "forward",
+                    message_id: id,
+                    channel,
+                    direction,
+                    peer,
+                    peer_addr: "",
+                    detail: "",
+                })
+                .unwrap();
+                assert_eq!(*line, want);
+            }
+        }
     }
 
     /// A batch of forwards is one record per id, with the keys of a single
