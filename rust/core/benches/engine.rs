@@ -180,7 +180,7 @@ fn reader(c: &mut Criterion) {
     let engine = open(dir.path(), 0);
     let writer = engine.publish_writer(CHANNEL).expect("channel writer");
     writer
-        .append(&records(SCAN_RECORDS), SCAN_RECORDS as u64)
+        .append(records(SCAN_RECORDS), SCAN_RECORDS as u64)
         .expect("append");
     engine.close();
     // The segment is in the page cache: these measure the reader, not the disk.
@@ -220,9 +220,7 @@ fn time_seek(c: &mut Criterion) {
                 .expect("clock")
                 .as_nanos() as i64;
         }
-        writer
-            .append(&records(chunk), chunk as u64)
-            .expect("append");
+        writer.append(records(chunk), chunk as u64).expect("append");
     }
     let end = writer.committed_end();
     let channel_dir = writer.dir().to_owned();

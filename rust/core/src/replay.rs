@@ -20,6 +20,6 @@ pub fn republish(engine: &Engine, channel: &str, record: &[u8]) -> Result<String
         )));
     }
     // Stored as one line, whatever the layout of the text given.
-    writer.append(&env.encode(), 1)?;
+    writer.append(env.encode(), 1)?;
     Ok(env.id)
 }

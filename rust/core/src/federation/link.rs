@@ -401,7 +401,7 @@ async fn receive_batch(
             let ch = group.channel.clone();
             let lines = std::mem::take(&mut group.lines);
             let committed =
-                tokio::task::spawn_blocking(move || store.writer(&ch)?.append(&lines, n))
+                tokio::task::spawn_blocking(move || store.writer(&ch)?.append(lines, n))
                     .await
                     .map_err(|e| format!("store task failed: {e}"))?;
             if let Err(e) = committed {

@@ -25,6 +25,7 @@
 //! fails is retried before the next write). `Ok` means committed: durable in
 //! durable mode, written to the file otherwise.
 
+use std::borrow::Cow;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -177,6 +178,13 @@ impl Slot {
         }
     }
 }
+
+/// The largest queue buffer a writer keeps for reuse between batches.
+const SPARE_MAX_BYTES: usize = 1 << 20;
+
+/// Owned records from this size on are moved into an empty queue, not
+/// copied (smaller ones are copied into the reused buffer).
+const MOVE_MIN_BYTES: usize = 64 << 10;
 
 struct State {
     pending: Vec<u8>,
@@ -397,8 +405,15 @@ impl ChannelWriter {
 
     /// Appends `records` (`count` whole newline-terminated records, from one
     /// caller) and returns once they are committed. They are written
-    /// contiguously and never split across segments.
-    pub fn append(&self, records: &[u8], count: u64) -> Result<Appended, StorageError> {
+    /// contiguously and never split across segments. Owned records that
+    /// find the queue empty become the queue, uncopied.
+    pub fn append<'a>(
+        &self,
+        records: impl Into<Cow<'a, [u8]>>,
+        count: u64,
+    ) -> Result<Appended, StorageError> {
+        let records = records.into();
+        let len = records.len();
         let (st, pos, slot) = self.enqueue(records, count)?;
         if st.flushing {
             drop(st);
@@ -446,7 +461,7 @@ impl ChannelWriter {
         slot.outcome
             .get()
             .expect("a finished batch has its outcome")
-            .result(pos, records.len())
+            .result(pos, len)
     }
 
     /// Relaxed mode: appends `records` as [`ChannelWriter::append`] does, but
@@ -512,7 +527,7 @@ impl ChannelWriter {
     /// place in it and the batch's slot. Refused once the writer is closed.
     fn enqueue(
         &self,
-        records: &[u8],
+        records: Cow<'_, [u8]>,
         count: u64,
     ) -> Result<(MutexGuard<'_, State>, usize, Arc<Slot>), StorageError> {
         debug_assert!(records.ends_with(b"\n"));
@@ -521,8 +536,20 @@ impl ChannelWriter {
             return Err(StorageError::Closed(self.channel.clone()));
         }
         let pos = st.pending.len();
-        st.pending.extend_from_slice(records);
-        st.groups.push((records.len(), count));
+        let len = records.len();
+        match records {
+            // A large batch (a Spark chunk, a federated group) is moved in
+            // rather than copied: the copy would also fault in fresh pages.
+            Cow::Owned(owned) if pos == 0 && owned.len() >= MOVE_MIN_BYTES => {
+                let emptied = std::mem::replace(&mut st.pending, owned);
+                if st.spare.capacity() < emptied.capacity() && emptied.capacity() <= SPARE_MAX_BYTES
+                {
+                    st.spare = emptied;
+                }
+            }
+            records => st.pending.extend_from_slice(&records),
+        }
+        st.groups.push((len, count));
         if st.gather_want > 0 && st.groups.len() >= st.gather_want {
             self.arrived.notify_one();
         }
@@ -620,7 +647,7 @@ impl ChannelWriter {
         buf.clear();
         groups.clear();
         // Keep a moderately sized buffer for reuse; drop huge ones.
-        if buf.capacity() <= 1 << 20 {
+        if buf.capacity() <= SPARE_MAX_BYTES {
             st.spare = buf;
         }
         st.spare_groups = groups;

@@ -15,6 +15,7 @@
 //! commit; the committer thread is started on the first submit, ends after a
 //! while without work, and is joined by `close`.
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,7 +37,13 @@ impl ChannelWriter {
     /// Queues `records` (`count` whole newline-terminated records) and
     /// returns at once; the committer thread commits them with the next
     /// batch. The outcome is the same as [`ChannelWriter::append`]'s.
-    pub fn submit(self: &Arc<Self>, records: &[u8], count: u64) -> Result<Ticket, StorageError> {
+    pub fn submit<'a>(
+        self: &Arc<Self>,
+        records: impl Into<Cow<'a, [u8]>>,
+        count: u64,
+    ) -> Result<Ticket, StorageError> {
+        let records = records.into();
+        let len = records.len();
         let (mut st, pos, slot) = self.enqueue(records, count)?;
         st.submitted = true;
         if !st.committer {
@@ -49,7 +56,7 @@ impl ChannelWriter {
             writer: self.clone(),
             slot,
             pos,
-            len: records.len(),
+            len,
         })
     }
 

@@ -310,3 +310,49 @@ fn try_append_now_and_append_interleave_safely() {
     assert_eq!(next, [EACH; THREADS], "records lost");
     assert_eq!(w.counters().records, (THREADS * EACH) as u64);
 }
+
+/// Large owned records that find the queue empty become the queue (no
+/// copy); behind queued records they are copied after them. Either way
+/// each caller's records land whole, in queue order, and the writer keeps
+/// no buffer over its spare limit.
+#[test]
+fn owned_records_are_moved_into_an_empty_queue() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let w = Arc::new(open_writer(tmp.path(), false));
+    let big = |c: u8| {
+        let mut v = vec![c; MOVE_MIN_BYTES];
+        *v.last_mut().unwrap() = b'\n';
+        v
+    };
+    // Queued while a leader is in flight: the first owned batch is moved in,
+    // the small borrowed one and the second owned one are copied behind it.
+    w.lock().flushing = true;
+    let records = big(b'a');
+    let at = records.as_ptr();
+    let a = w.submit(records, 1).expect("submit a");
+    assert_eq!(w.lock().pending.as_ptr(), at, "moved, not copied");
+    let b = w.submit(b"b\n", 1).expect("submit b");
+    let c = w.submit(big(b'c'), 1).expect("submit c");
+    assert_eq!(w.lock().pending.len(), 2 * MOVE_MIN_BYTES + 2);
+    w.lock().flushing = false;
+    let next = w.lock().slot.clone();
+    next.request_leader();
+    let offsets: Vec<_> = [a, b, c]
+        .into_iter()
+        .map(|t| t.wait().expect("committed").offset)
+        .collect();
+    let n = MOVE_MIN_BYTES as u64;
+    assert_eq!(offsets, [0, n, n + 2]);
+    let text = segment_text(tmp.path());
+    assert_eq!(text.len(), 2 * MOVE_MIN_BYTES + 2);
+    assert!(text[..MOVE_MIN_BYTES - 1].bytes().all(|x| x == b'a'));
+    assert_eq!(&text[MOVE_MIN_BYTES - 1..MOVE_MIN_BYTES + 3], "\nb\nc");
+    assert!(text[MOVE_MIN_BYTES + 2..text.len() - 1]
+        .bytes()
+        .all(|x| x == b'c'));
+    // And a lone owned append is stored as it was given.
+    let d = w.append(big(b'd'), 1).expect("append d");
+    assert_eq!(d.offset, 2 * n + 2);
+    let st = w.lock();
+    assert!(st.pending.capacity() <= SPARE_MAX_BYTES && st.spare.capacity() <= SPARE_MAX_BYTES);
+}
