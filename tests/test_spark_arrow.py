@@ -91,6 +91,42 @@ def test_engine_encodes_columns_as_the_row_encoder_does() -> None:
         assert [json.loads(p) for p in encoded.payloads()] == expected
 
 
+def test_arrow_buffers_are_read_in_place_and_only_immutable_ones() -> None:
+    """The engine reads immutable ``pyarrow.Buffer``s in place (what Spark's
+    batches hold) and bytes alike; a mutable buffer could change under the
+    engine, so it is copied by ``arrow_columns`` and refused by the engine
+    when passed as is, as is anything that is not a buffer."""
+    whole = sample()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, whole.schema) as out:  # as Spark hands batches over
+        out.write_batch(whole)
+    batch = pa.ipc.open_stream(sink.getvalue()).read_next_batch().slice(3, 30)
+    columns = RowEncoder(SCHEMA).arrow_columns(batch)
+    assert columns is not None
+    assert any(isinstance(b, pa.Buffer) for c in columns for b in c[3:])
+    as_bytes = [
+        (*c[:3], *(b.to_pybytes() if isinstance(b, pa.Buffer) else b for b in c[3:]))
+        for c in columns
+    ]
+    in_place = _core.encode_columns("t", columns, 30).payloads()
+    assert in_place == _core.encode_columns("t", as_bytes, 30).payloads()
+
+    text = pa.array(["a", "bc"])
+    _, offsets, data = text.buffers()
+    mutable = pa.py_buffer(bytearray(data.to_pybytes()))
+    assert mutable.is_mutable
+    array = pa.Array.from_buffers(pa.string(), 2, [None, offsets, mutable])
+    copied = RowEncoder(StructType([StructField("s", StringType())])).arrow_columns(
+        pa.RecordBatch.from_arrays([array], names=["s"])
+    )
+    assert copied is not None
+    assert isinstance(copied[0][4], bytes) and copied[0][4] == data.to_pybytes()
+    with pytest.raises(km.PayloadTypeError, match=r"immutable pyarrow\.Buffer"):
+        _core.encode_columns("t", [("s", "utf8", 0, None, mutable, offsets)], 2)
+    with pytest.raises(km.PayloadTypeError, match="bytearray"):
+        _core.encode_columns("t", [("s", "utf8", 0, None, bytearray(b"abc"), offsets)], 2)
+
+
 def test_types_the_engine_does_not_encode_go_through_python() -> None:
     schema = StructType([StructField("d", DecimalType(10, 2))])
     batch = pa.RecordBatch.from_arrays([pa.array([None], pa.decimal128(10, 2))], names=["d"])
@@ -129,6 +165,11 @@ def test_records_encoded_in_one_pass_store_what_a_publish_stores(tmp_path: Path)
     config = {"name": "n", "storage": {"data_dir": str(tmp_path / "framed")}}
     with km.Messenger(km.Config.from_dict(config)) as m:
         m._engine.publish_framed(framed)
+        # Publishing moved the records out: a second publish is refused,
+        # while the batch still reports what it held.
+        with pytest.raises(RuntimeError, match="already handed to publish_framed"):
+            m._engine.publish_framed(framed)
+        assert (len(framed), framed.first_id, framed.last_id) == (30, "j:2:7", "j:2:36")
     config = {"name": "n", "storage": {"data_dir": str(tmp_path / "published")}}
     with km.Messenger(km.Config.from_dict(config)) as m:
         m._engine.publish_batch("c", payloads, "svc", "k")
@@ -145,7 +186,8 @@ def test_records_encoded_in_one_pass_store_what_a_publish_stores(tmp_path: Path)
     with km.Messenger(km.Config.from_dict(config)) as m, pytest.raises(
         km.InvalidNameError, match=r'origin "n" .* instance "other"'
     ):
-        m._engine.publish_framed(framed)
+        m._engine.publish_framed(_core.encode_records("t", columns, 30, origin="n", channel="c",
+                                                      id_prefix="j:2:"))  # fmt: skip
     with pytest.raises(km.InvalidNameError, match="channel"):
         _core.encode_records("t", columns, 1, origin="n", channel="c.dead-letter", id_prefix="j:")
     with pytest.raises(km.InvalidNameError, match="id"):

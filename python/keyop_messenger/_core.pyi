@@ -45,7 +45,9 @@ _Row = tuple[int, int, str, int, str, str, str, str | None, str | None, Any]
 _DeliveryRow = tuple[int, str, int, str, str, str, str | None, str | None, Any]
 _Text = tuple[bytes, bytes, bytes | None, int]
 _ColumnRows = tuple[int, bytes, bytes, bytes, _Text, _Text, _Text, _Text, _Text, _Text, _Text]
-_ColumnSpec = tuple[str, str, int, bytes | None, bytes, bytes | None]
+# A column buffer: bytes, or an immutable pyarrow.Buffer (read in place).
+_Buffer = bytes | Any
+_ColumnSpec = tuple[str, str, int, _Buffer | None, _Buffer, _Buffer | None]
 
 @final
 class Message:
@@ -314,6 +316,9 @@ class PayloadBatch:
 
 @final
 class FramedBatch:
+    """Records framed by :func:`encode_records`; ``publish_framed`` moves
+    them out, so a batch is published once (again: RuntimeError)."""
+
     def __len__(self) -> int: ...
     @property
     def channel(self) -> str: ...

@@ -390,6 +390,14 @@ def _arrow_column_to_json(col: Any, dtype: DataType) -> Any:
     return None
 
 
+def _readable(buf: Any) -> Any:
+    """An Arrow buffer as the engine reads it: immutable ones (Spark's
+    batches) in place, a mutable one copied."""
+    if buf is None or not buf.is_mutable:
+        return buf
+    return buf.to_pybytes()
+
+
 class RowEncoder:
     """Turns rows of a schema into payload dicts (see the module docs)."""
 
@@ -458,13 +466,12 @@ class RowEncoder:
                     return None
             else:
                 return None
-            bufs = col.buffers()
-            validity = bufs[0].to_pybytes() if bufs[0] is not None and col.null_count else None
+            bufs = [_readable(b) for b in col.buffers()]
+            validity = bufs[0] if col.null_count else None
             if kind == "utf8":
-                out.append((field.name, kind, col.offset, validity, bufs[2].to_pybytes(),
-                            bufs[1].to_pybytes()))  # fmt: skip
+                out.append((field.name, kind, col.offset, validity, bufs[2], bufs[1]))
             else:
-                out.append((field.name, kind, col.offset, validity, bufs[1].to_pybytes(), None))
+                out.append((field.name, kind, col.offset, validity, bufs[1], None))
         return out
 
     def from_row(self, row: Any) -> dict[str, Any]:

@@ -977,7 +977,9 @@ class _ArrowChunks:
             whole = self.spec.encoder.arrow_columns(batch) if n else []
             if whole is None:  # a later batch with other types (Spark sends one schema)
                 raise TypeError(f"keyop: Arrow batch of unexpected types: {batch.schema}")
-            per_row = batch.nbytes / max(n, 1)
+            # The buffers' sizes (batch.nbytes walks each buffer's referenced range).
+            nbytes = sum(len(b) for c in whole for b in c[3:] if b is not None)
+            per_row = nbytes / max(n, 1)
             self.row_bytes = max(self.row_bytes, per_row)
             for lo in range(0, n, self.spec.batch_size):
                 size = min(self.spec.batch_size, n - lo)

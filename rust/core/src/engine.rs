@@ -127,6 +127,7 @@ impl Framed {
 /// The ids of framed records: listed ([`frame_batch`]), or numbered
 /// `<prefix><first + i>` ([`frame_rows`], which then makes no string per
 /// record).
+#[derive(Debug)]
 pub enum FramedIds {
     Listed(Ids),
     Numbered {
@@ -524,8 +525,8 @@ impl Engine {
             return Ok(Vec::new());
         }
         let framed = frame_batch(&self.origin, channel, items, given)?;
-        let offset = self.publish_framed(&framed)?;
-        let FramedIds::Listed(ids) = framed.ids else {
+        let (offset, ids) = self.publish_framed(framed)?;
+        let FramedIds::Listed(ids) = ids else {
             unreachable!("frame_batch lists its ids")
         };
         Ok(placed(ids, offset))
@@ -533,32 +534,35 @@ impl Engine {
 
     /// Appends records framed ahead ([`frame_batch`]) by this instance's
     /// origin, as [`Engine::publish_batch`] does; returns the global offset
-    /// of the first (the end of the channel for an empty batch).
-    pub fn publish_framed(&self, framed: &Framed) -> Result<u64, Error> {
-        let writer = self.framed_writer(framed)?;
-        if framed.ids.is_empty() {
-            return Ok(writer.committed_end());
+    /// of the first (the end of the channel for an empty batch) and the
+    /// records' ids. The records are moved into the channel's queue, not
+    /// copied.
+    pub fn publish_framed(&self, framed: Framed) -> Result<(u64, FramedIds), Error> {
+        let writer = self.framed_writer(&framed)?;
+        let Framed { buf, ids, .. } = framed;
+        if ids.is_empty() {
+            return Ok((writer.committed_end(), ids));
         }
         let started = Instant::now();
-        let at = writer.append(&framed.buf, framed.ids.len() as u64)?;
+        let at = writer.append(buf, ids.len() as u64)?;
         self.stats.publish.record(started.elapsed());
         if let Some(seen) = self.seen.get() {
-            for id in framed.ids.to_vec() {
+            for id in ids.to_vec() {
                 seen.insert(&id);
             }
         }
-        Ok(at.offset)
+        Ok((at.offset, ids))
     }
 
     /// [`Engine::publish_framed`] handed to the channel's committer thread:
     /// returns at once ([`Engine::submit`]) with the batch's outcome to come,
     /// under its last record's id; `None` for an empty batch.
-    pub fn submit_framed(&self, framed: &Framed) -> Result<Option<Submitted>, Error> {
-        let writer = self.framed_writer(framed)?;
+    pub fn submit_framed(&self, framed: Framed) -> Result<Option<Submitted>, Error> {
+        let writer = self.framed_writer(&framed)?;
         let Some(last) = framed.ids.last() else {
             return Ok(None);
         };
-        let ticket = writer.submit(&framed.buf, framed.ids.len() as u64)?;
+        let ticket = writer.submit(framed.buf, framed.ids.len() as u64)?;
         let seen_ids = match self.seen.get() {
             Some(_) => framed.ids.to_vec(),
             None => Vec::new(),

@@ -323,7 +323,7 @@ fn framed_batches_are_checked_when_framed_and_appended_only_by_their_origin() {
     let engine = open_node1(dir.path());
     let ids = ["job:0:0".to_owned(), "job:0:1".to_owned()];
     let foreign = frame_batch("node2", "temps", &[item("{\"a\":1}")], None).unwrap();
-    let e = engine.publish_framed(&foreign).unwrap_err();
+    let e = engine.publish_framed(foreign).unwrap_err();
     assert!(e.to_string().contains("node2"), "{e}");
     assert_eq!(engine.store().writer("temps").unwrap().committed_end(), 0);
 
@@ -334,7 +334,8 @@ fn framed_batches_are_checked_when_framed_and_appended_only_by_their_origin() {
         Some(&ids),
     )
     .unwrap();
-    assert_eq!(engine.publish_framed(&framed).unwrap(), 0);
+    let (offset, framed_ids) = engine.publish_framed(framed).unwrap();
+    assert_eq!(offset, 0);
     let got = stored(&engine, "temps");
     let ids_read: Vec<_> = got.iter().map(|e| e.id.as_str()).collect();
     assert_eq!(ids_read, ["job:0:0", "job:0:1"]);
@@ -345,11 +346,11 @@ fn framed_batches_are_checked_when_framed_and_appended_only_by_their_origin() {
         got[0].ts_nanos, got[1].ts_nanos,
         "one clock reading per batch of given ids"
     );
-    assert_eq!(framed.ids().len(), 2);
-    assert_eq!(framed.ids().first().as_deref(), Some("job:0:0"));
-    assert_eq!(framed.ids().last().as_deref(), Some("job:0:1"));
-    assert_eq!(framed.ids().to_vec(), ["job:0:0", "job:0:1"]);
-    assert_eq!(framed.ids().get(2), None);
+    assert_eq!(framed_ids.len(), 2);
+    assert_eq!(framed_ids.first().as_deref(), Some("job:0:0"));
+    assert_eq!(framed_ids.last().as_deref(), Some("job:0:1"));
+    assert_eq!(framed_ids.to_vec(), ["job:0:0", "job:0:1"]);
+    assert_eq!(framed_ids.get(2), None);
 }
 
 /// Rows framed with numbered ids (`frame_rows`) keep no string per id, yet
@@ -397,7 +398,7 @@ fn rows_framed_with_numbered_ids_read_back_with_each_id() {
 
     let dir = tempfile::tempdir().unwrap();
     let engine = open_node1(dir.path());
-    let submitted = engine.submit_framed(&framed).unwrap().unwrap();
+    let submitted = engine.submit_framed(framed).unwrap().unwrap();
     assert_eq!(submitted.id, "job:3:9");
     assert_eq!(submitted.wait().unwrap().offset, 0);
     let got = stored(&engine, "temps");

@@ -3,11 +3,13 @@
 //! `keyop_core::columns`.
 
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 use keyop_core::columns::{
     parse_payload_fields as parse_fields, Column, ColumnBatch, ColumnReader, ColumnValues,
     FieldKind, TextColumn,
 };
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
@@ -64,33 +66,63 @@ impl PayloadBatch {
 /// checks fixed, ready for `Engine.publish_framed`.
 /// Framing is most of a batch's publishing work; done before the data
 /// directory is open, it runs in parallel with another process holding it.
+/// Publishing moves the records out (no copy of the batch): a batch is
+/// published once.
 #[pyclass(module = "keyop_messenger._core", frozen)]
 pub struct FramedBatch {
-    pub framed: keyop_core::Framed,
+    framed: Mutex<Option<keyop_core::Framed>>,
+    len: usize,
+    channel: String,
+    first_id: Option<String>,
+    last_id: Option<String>,
+}
+
+impl FramedBatch {
+    pub fn new(framed: keyop_core::Framed) -> Self {
+        FramedBatch {
+            len: framed.ids().len(),
+            channel: framed.channel().to_owned(),
+            first_id: framed.ids().first(),
+            last_id: framed.ids().last(),
+            framed: Mutex::new(Some(framed)),
+        }
+    }
+
+    /// The records, moved out for publishing; refused once they were.
+    pub fn take(&self) -> PyResult<keyop_core::Framed> {
+        let mut slot = self.framed.lock().unwrap_or_else(|e| e.into_inner());
+        slot.take().ok_or_else(|| {
+            PyRuntimeError::new_err(format!(
+                "this FramedBatch of {} records for channel {:?} was already handed to \
+                 publish_framed, which moves its records out: encode the rows again",
+                self.len, self.channel
+            ))
+        })
+    }
 }
 
 #[pymethods]
 impl FramedBatch {
     fn __len__(&self) -> usize {
-        self.framed.ids().len()
+        self.len
     }
 
     /// The channel the records were framed for.
     #[getter]
     fn channel(&self) -> &str {
-        self.framed.channel()
+        &self.channel
     }
 
     /// The first record's id (None for an empty batch).
     #[getter]
-    fn first_id(&self) -> Option<String> {
-        self.framed.ids().first()
+    fn first_id(&self) -> Option<&str> {
+        self.first_id.as_deref()
     }
 
     /// The last record's id (None for an empty batch).
     #[getter]
-    fn last_id(&self) -> Option<String> {
-        self.framed.ids().last()
+    fn last_id(&self) -> Option<&str> {
+        self.last_id.as_deref()
     }
 }
 
@@ -98,15 +130,16 @@ type ColumnSpec<'py> = (
     String,
     String,
     usize,
-    Option<Bound<'py, PyBytes>>,
-    Bound<'py, PyBytes>,
-    Option<Bound<'py, PyBytes>>,
+    Option<Bound<'py, PyAny>>,
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
 );
 
 /// Encodes `rows` rows of `columns` as JSON objects. Each column is
 /// `(name, kind, offset, validity, data, offsets)`: `kind` one of `bool`,
 /// `int8`..`int64`, `float32`, `float64`, `utf8`, `timestamp_utc`,
-/// `timestamp_ntz` (microseconds), `date32`; the buffers are Arrow's
+/// `timestamp_ntz` (microseconds), `date32`; the buffers are Arrow's, as
+/// `bytes` or immutable `pyarrow.Buffer`s (read in place, not copied)
 /// (`validity` None when there are no nulls; `offsets` for `utf8` only);
 /// `offset` the array's first row in them.
 #[pyfunction]
@@ -192,7 +225,7 @@ pub fn encode_records(
             )
         })
         .py_err(py)?;
-    Ok(FramedBatch { framed })
+    Ok(FramedBatch::new(framed))
 }
 
 /// The byte width of an `intN` or `floatN` kind (`int8`: 1, `float64`: 8).
@@ -201,12 +234,48 @@ fn byte_width(kind: &str) -> usize {
     bits.parse::<usize>().unwrap_or(64) / 8
 }
 
+/// The bytes of a column buffer: a `bytes` object, or an immutable
+/// `pyarrow.Buffer` read in place.
+fn buffer_bytes<'a>(py: Python<'_>, name: &str, obj: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(b.as_bytes());
+    }
+    let bad = |what: &str| {
+        new_err(
+            py,
+            Kind::PayloadType,
+            format!("column {name:?}: a buffer must be bytes or an immutable pyarrow.Buffer, not {what}"),
+        )
+    };
+    let is_arrow_buffer = match py.import("pyarrow") {
+        Ok(arrow) => obj.is_instance(&arrow.getattr("Buffer")?)?,
+        Err(_) => false, // without pyarrow nothing is a pyarrow.Buffer
+    };
+    if !is_arrow_buffer {
+        return Err(bad(&obj.get_type().name()?.to_string()));
+    }
+    if obj.getattr("is_mutable")?.is_truthy()? {
+        return Err(bad("a mutable one (pass buffer.to_pybytes())"));
+    }
+    let size: usize = obj.getattr("size")?.extract()?;
+    if size == 0 {
+        return Ok(&[]);
+    }
+    let address: usize = obj.getattr("address")?.extract()?;
+    // SAFETY: a pyarrow.Buffer owns (or keeps alive) `size` bytes at
+    // `address` for as long as the object lives, and `obj` is borrowed for
+    // 'a, so the object outlives the slice. The buffer is immutable: no
+    // Python code writes through it while the slice is read (also with the
+    // GIL released). Bytes need no alignment.
+    Ok(unsafe { std::slice::from_raw_parts(address as *const u8, size) })
+}
+
 /// The columns of an `encode_columns` call, checked.
 fn parse_columns<'a>(py: Python<'_>, columns: &'a [ColumnSpec<'_>]) -> PyResult<Vec<Column<'a>>> {
     let bad = |msg: String| new_err(py, Kind::PayloadType, msg);
     let mut cols = Vec::with_capacity(columns.len());
     for (name, kind, offset, validity, data, offsets) in columns {
-        let data = data.as_bytes();
+        let data = buffer_bytes(py, name, data)?;
         let values = match kind.as_str() {
             "bool" => ColumnValues::Bool(data),
             "int8" | "int16" | "int32" | "int64" => ColumnValues::Int {
@@ -218,10 +287,13 @@ fn parse_columns<'a>(py: Python<'_>, columns: &'a [ColumnSpec<'_>]) -> PyResult<
                 data,
             },
             "utf8" => ColumnValues::Text {
-                offsets: offsets
-                    .as_ref()
-                    .ok_or_else(|| bad(format!("column {name:?}: utf8 needs offsets")))?
-                    .as_bytes(),
+                offsets: buffer_bytes(
+                    py,
+                    name,
+                    offsets
+                        .as_ref()
+                        .ok_or_else(|| bad(format!("column {name:?}: utf8 needs offsets")))?,
+                )?,
                 data,
             },
             "timestamp_utc" => ColumnValues::TimestampMicros { data, utc: true },
@@ -233,10 +305,14 @@ fn parse_columns<'a>(py: Python<'_>, columns: &'a [ColumnSpec<'_>]) -> PyResult<
                 )))
             }
         };
+        let validity = match validity {
+            Some(v) => Some(buffer_bytes(py, name, v)?),
+            None => None,
+        };
         cols.push(Column {
             name,
             values,
-            validity: validity.as_ref().map(|v| v.as_bytes()),
+            validity,
             offset: *offset,
         });
     }

@@ -367,7 +367,7 @@ impl PyEngine {
     /// Appends framed records, as durable or relaxed as the instance: from
     /// the main thread a durable commit is waited for in slices, so Ctrl-C
     /// interrupts it (as in `send`).
-    fn publish_framed(&self, py: Python<'_>, framed: &keyop_core::Framed) -> PyResult<()> {
+    fn publish_framed(&self, py: Python<'_>, framed: keyop_core::Framed) -> PyResult<()> {
         if self.engine.durable() && receipt::on_main_thread(py)? {
             let submitted = py.detach(|| self.engine.submit_framed(framed)).py_err(py)?;
             if let Some(sub) = submitted {
@@ -446,8 +446,9 @@ impl PyEngine {
         let framed = py
             .detach(|| keyop_core::frame_batch(origin, channel, &msgs, ids.as_deref()))
             .py_err(py)?;
-        self.publish_framed(py, &framed)?;
-        Ok(framed.ids().to_vec())
+        let ids = framed.ids().to_vec();
+        self.publish_framed(py, framed)?;
+        Ok(ids)
     }
 
     /// Appends records framed ahead by `encode_records` for this instance,
@@ -462,13 +463,12 @@ impl PyEngine {
         batch: &columns::FramedBatch,
         wait: bool,
     ) -> PyResult<Option<receipt::Receipt>> {
+        let framed = batch.take()?;
         if wait {
-            self.publish_framed(py, &batch.framed)?;
+            self.publish_framed(py, framed)?;
             return Ok(None);
         }
-        let submitted = py
-            .detach(|| self.engine.submit_framed(&batch.framed))
-            .py_err(py)?;
+        let submitted = py.detach(|| self.engine.submit_framed(framed)).py_err(py)?;
         Ok(submitted.map(|sub| receipt::Receipt { sub: Arc::new(sub) }))
     }
 
