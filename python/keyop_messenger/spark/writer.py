@@ -932,8 +932,9 @@ def publish_arrow(
         head = next(it, None)
     if head is None:
         return _publish_chunks(spec, False, lambda skip: iter(()), job)
-    if spec.correlation_id_column is None and encoder.arrow_columns(head) is not None:
-        chunks = _ArrowChunks(spec, itertools.chain([head], it))
+    columns = encoder.arrow_columns(head) if spec.correlation_id_column is None else None
+    if columns is not None:
+        chunks = _ArrowChunks(spec, itertools.chain([head], it), head_columns=columns)
         framed = chunks if spec.data_dir is not None else None
         return _publish_chunks(spec, True, chunks, job, framed=framed)
     return publish_payloads(
@@ -957,10 +958,17 @@ class _ArrowChunks:
     :func:`_core.encode_records`), so that under the directory lock a task
     only appends."""
 
-    def __init__(self, spec: WriteSpec, batches: Iterable[pa.RecordBatch]) -> None:
+    def __init__(
+        self,
+        spec: WriteSpec,
+        batches: Iterable[pa.RecordBatch],
+        head_columns: list[tuple[Any, ...]] | None = None,
+    ) -> None:
+        """``head_columns``: the first batch's :meth:`RowEncoder.arrow_columns`,
+        when the caller already has them."""
         self.spec = spec
         self.framed = spec.data_dir is not None
-        self.pieces = self._cut(iter(batches))
+        self.pieces = self._cut(iter(batches), head_columns)
         #: (first row, rows, columns, correlation id, chunk encoded with ids
         #: of ``prefix`` and that correlation id).
         self.ready: list[tuple[int, int, list[Any], str | None, Any]] = []
@@ -969,12 +977,18 @@ class _ArrowChunks:
         #: Arrow bytes per row, the most of any batch so far.
         self.row_bytes = 0.0
 
-    def _cut(self, batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, int, list[Any], int]]:
-        """(first row, rows, columns, Arrow bytes) of each chunk, in order."""
+    def _cut(
+        self, batches: Iterator[pa.RecordBatch], head: list[tuple[Any, ...]] | None
+    ) -> Iterator[tuple[int, int, list[Any], int]]:
+        """(first row, rows, columns, Arrow bytes) of each chunk, in order;
+        ``head`` is the first batch's columns if already known."""
         row = 0  # index of the current batch's first row in the partition
         for batch in batches:
             n = batch.num_rows
-            whole = self.spec.encoder.arrow_columns(batch) if n else []
+            if head is not None:
+                whole, head = head, None
+            else:
+                whole = self.spec.encoder.arrow_columns(batch) if n else []
             if whole is None:  # a later batch with other types (Spark sends one schema)
                 raise TypeError(f"keyop: Arrow batch of unexpected types: {batch.schema}")
             # The buffers' sizes (batch.nbytes walks each buffer's referenced range).

@@ -405,8 +405,9 @@ impl ChannelWriter {
 
     /// Appends `records` (`count` whole newline-terminated records, from one
     /// caller) and returns once they are committed. They are written
-    /// contiguously and never split across segments. Owned records that
-    /// find the queue empty become the queue, uncopied.
+    /// contiguously and never split across segments. Owned records of at
+    /// least `MOVE_MIN_BYTES` that find the queue empty become the queue,
+    /// uncopied; others are copied into it.
     pub fn append<'a>(
         &self,
         records: impl Into<Cow<'a, [u8]>>,
