@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use keyop_core::engine::encode_message;
-use keyop_core::envelope::{encode_record, format_ts, new_id, Header};
+use keyop_core::envelope::{encode_record, format_ts, new_id, EnvelopeRef, Header};
 use keyop_core::federation::wire::{push_record, split_batch};
 use keyop_core::storage::Item;
 use keyop_core::{read_channel, Engine, Envelope, Outgoing, StoreConfig};
@@ -89,6 +89,10 @@ fn envelope(c: &mut Criterion) {
     let line = &line[..line.len() - 1];
     g.bench_function("decode", |b| {
         b.iter(|| Envelope::decode(black_box(line)).expect("decode"))
+    });
+    // What a subscriber, a Spark read and a hub's receive pay per record.
+    g.bench_function("decode_ref", |b| {
+        b.iter(|| EnvelopeRef::decode(black_box(line)).expect("decode"))
     });
     g.finish();
 }

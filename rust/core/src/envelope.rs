@@ -23,6 +23,8 @@ use chrono::DateTime;
 use serde_json::value::RawValue;
 use uuid::timestamp::context::ContextV7;
 
+mod canonical;
+
 /// Envelope schema version written and accepted.
 pub const ENVELOPE_VERSION: u64 = 1;
 /// Largest record accepted anywhere, newline included (10 MiB).
@@ -865,26 +867,36 @@ impl<'a> EnvelopeRef<'a> {
     }
 
     /// Decodes one line (without its `\n`) as [`Envelope::decode`] does,
-    /// borrowing what needs no unescaping.
+    /// borrowing what needs no unescaping. A line in the layout every writer
+    /// produces is read without a JSON parser over its header
+    /// ([`canonical`]); any other goes through the full decoder.
     pub fn decode(line: &'a [u8]) -> Result<EnvelopeRef<'a>, DecodeError> {
-        let (w, ts_nanos) = decode_wire::<&'a RawValue>(line)?;
-        let payload = match w.payload {
-            Some(p) if has_line_break(p.get()) => Cow::Owned(p.get().replace(['\n', '\r'], " ")),
-            Some(p) => Cow::Borrowed(p.get()),
-            None => Cow::Borrowed("null"),
-        };
-        Ok(EnvelopeRef {
-            id: w.id,
-            ts: w.ts,
-            ts_nanos,
-            channel: w.channel,
-            origin: w.origin,
-            payload_type: w.payload_type,
-            correlation_id: non_empty(w.correlation_id),
-            service_name: non_empty(w.service_name),
-            payload,
-        })
+        match canonical::decode(line) {
+            Some(e) => Ok(e),
+            None => decode_full(line),
+        }
     }
+}
+
+/// [`EnvelopeRef::decode`] by the JSON parser, for a line in any layout.
+fn decode_full(line: &[u8]) -> Result<EnvelopeRef<'_>, DecodeError> {
+    let (w, ts_nanos) = decode_wire::<&RawValue>(line)?;
+    let payload = match w.payload {
+        Some(p) if has_line_break(p.get()) => Cow::Owned(p.get().replace(['\n', '\r'], " ")),
+        Some(p) => Cow::Borrowed(p.get()),
+        None => Cow::Borrowed("null"),
+    };
+    Ok(EnvelopeRef {
+        id: w.id,
+        ts: w.ts,
+        ts_nanos,
+        channel: w.channel,
+        origin: w.origin,
+        payload_type: w.payload_type,
+        correlation_id: non_empty(w.correlation_id),
+        service_name: non_empty(w.service_name),
+        payload,
+    })
 }
 
 impl Envelope {

@@ -13,11 +13,14 @@
 //!   bytes again (a fixed point);
 //! * the line a hub stores for a received record (the record verbatim when
 //!   it holds neither `\n` nor `\r`, its re-encoding otherwise) is one line
-//!   that decodes to the same envelope.
+//!   that decodes to the same envelope;
+//! * the borrowing decoder, `EnvelopeRef::decode` (whose fast path reads the
+//!   layout writers produce without a JSON parser), accepts exactly the
+//!   lines `Envelope::decode` accepts, with the same fields.
 
 #![no_main]
 
-use keyop_core::envelope::{parse_ts_nanos, Envelope};
+use keyop_core::envelope::{parse_ts_nanos, Envelope, EnvelopeRef};
 use libfuzzer_sys::fuzz_target;
 use serde::de::IgnoredAny;
 use serde_json::Value;
@@ -52,10 +55,33 @@ fn one_line_of(line: &[u8], env: &Envelope, what: &str) {
     same(&again, env);
 }
 
-fuzz_target!(|line: &[u8]| {
-    let Ok(env) = Envelope::decode(line) else {
+/// The borrowing decoder reads `line` as the owned one did (`owned`).
+fn same_by_ref(line: &[u8], owned: Option<&Envelope>) {
+    let by_ref = EnvelopeRef::decode(line);
+    let (Some(a), Ok(b)) = (owned, &by_ref) else {
+        assert_eq!(owned.is_some(), by_ref.is_ok(), "the decoders disagree on {line:?}");
         return;
     };
+    assert_eq!(a.id, b.id);
+    assert_eq!(a.ts, b.ts);
+    assert_eq!(a.ts_nanos, b.ts_nanos);
+    assert_eq!(a.channel, b.channel);
+    assert_eq!(a.origin, b.origin);
+    assert_eq!(a.payload_type, b.payload_type);
+    assert_eq!(a.correlation_id.as_deref(), b.correlation_id.as_deref());
+    assert_eq!(a.service_name.as_deref(), b.service_name.as_deref());
+    assert_eq!(a.payload.get(), b.payload);
+}
+
+fuzz_target!(|line: &[u8]| {
+    let decoded = Envelope::decode(line);
+    same_by_ref(line, decoded.as_ref().ok());
+    let Ok(env) = decoded else {
+        return;
+    };
+    // Its canonical encoding (the fast path's layout) reads the same both ways.
+    let canonical = env.encode();
+    same_by_ref(&canonical[..canonical.len() - 1], Some(&env));
     assert_eq!(parse_ts_nanos(&env.ts), Some(env.ts_nanos));
     assert_ne!(env.correlation_id.as_deref(), Some(""));
     assert_ne!(env.service_name.as_deref(), Some(""));
