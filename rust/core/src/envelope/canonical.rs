@@ -51,7 +51,9 @@ pub(super) fn decode(line: &[u8]) -> Option<EnvelopeRef<'_>> {
         return None;
     }
     // One whole JSON value and nothing after it: a trailing `,"key":...`
-    // taken into the payload by the strip above fails here.
+    // taken into the payload by the strip above fails here. Skipping a value
+    // has no depth limit, here or in the full decoder; the record rules'
+    // depth limit (`check_payload_depth`) is separate, as before.
     serde_json::from_str::<IgnoredAny>(payload).ok()?;
     let ts_nanos = parse_ts_nanos(ts)?;
     Some(EnvelopeRef {
@@ -233,6 +235,17 @@ mod tests {
             if let Ok(full) = super::super::decode_full(other.as_bytes()) {
                 assert_eq!(full.id, "0195f3c2-7a4b-7c3d-8e9f-0a1b2c3d4e5f");
             }
+        }
+    }
+
+    /// Deep payloads read the same both ways: skipping a value has no depth
+    /// limit in either decoder (the reader's depth rule is applied after).
+    #[test]
+    fn deep_payloads_read_as_the_full_decoder_reads_them() {
+        for depth in [100, 101, 127, 128, 129, 10_000] {
+            let payload = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+            let l = line(&header(None, None), &payload);
+            assert!(same_as_full(&l), "depth {depth}");
         }
     }
 
