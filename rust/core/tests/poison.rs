@@ -143,3 +143,73 @@ fn subscriber_quarantines_and_dead_letters_unreadable_records_and_goes_on() {
         format!("{torn}\n")
     );
 }
+
+/// The same in a backlog of several full batches, the unreadable lines in
+/// the middle of later batches: each is settled in its place, after the
+/// records before it and before those after it, and nothing is delivered
+/// twice or lost.
+#[test]
+fn unreadable_records_in_a_backlog_are_settled_in_order() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path();
+    drop(open_engine(data));
+    let chan = data.join("channels").join(CH);
+    fs::create_dir_all(&chan).expect("mkdir");
+    let seg = chan.join(format!("{:020}.jsonl", 0));
+    let torn = r#"{"v":1,"id":"torn","ts":"20"#;
+    let mut text = String::new();
+    let mut want = Vec::new();
+    let mut bad_at = Vec::new();
+    for n in 0..300u64 {
+        if n == 70 {
+            bad_at.push(text.len() as u64);
+            text.push_str("not json\n");
+        }
+        let id = format!("r{n}");
+        if n == 140 {
+            // A torn record glued to this one, in the third batch.
+            bad_at.push(text.len() as u64);
+            text.push_str(torn);
+        }
+        text.push_str(&line(&id, n));
+        text.push('\n');
+        want.push(id);
+    }
+    fs::write(&seg, &text).expect("write segment");
+    let subs = data.join("subscribers").join(CH);
+    fs::create_dir_all(&subs).expect("mkdir");
+    fs::write(subs.join("s.offset"), "0\n").expect("offset");
+
+    let engine = open_engine(data);
+    let got = Collect::default();
+    let opts = SubscribeOptions {
+        max_batch: 64,
+        poll_interval: Duration::from_millis(20),
+        ..SubscribeOptions::default()
+    };
+    let _sub = engine
+        .subscribe(CH, "s", got.clone(), opts)
+        .expect("subscribe");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.0.lock().expect("lock").len() < want.len() || dead_letters(data).len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "delivery and dead letters in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(*got.0.lock().expect("lock"), want);
+    let letters = dead_letters(data);
+    let offsets: Vec<u64> = letters
+        .iter()
+        .map(|l| l["offset"].as_u64().expect("offset"))
+        .collect();
+    assert_eq!(offsets, bad_at);
+    assert_eq!(letters[1]["unreadable"], torn);
+    let offset = subs.join("s.offset");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fs::read_to_string(&offset).expect("offset") != format!("{}\n", text.len()) {
+        assert!(Instant::now() < deadline, "offset at the end in 10 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
