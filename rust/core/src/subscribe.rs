@@ -12,7 +12,9 @@
 //!
 //! Each subscriber runs on its own engine-owned thread. It waits on its
 //! channel's commit notifier (with a slow fallback poll), reads whole
-//! committed lines in batches, and hands each batch to the [`Handler`], which
+//! committed lines in batches (on a backlog, a read-ahead thread reads the
+//! next batch while the handler runs: see `source`), and hands each batch
+//! to the [`Handler`], which
 //! processes records in order and reports how far it got. A failing record
 //! blocks the ones behind it while it is retried with exponential backoff;
 //! after the last retry it is appended to `<channel>.dead-letter` and only
@@ -40,7 +42,9 @@ use crate::storage::{segment, ChannelWriter, Item, LogReader};
 const MAX_BATCH_CAPACITY: usize = 4096;
 
 mod delivery;
+mod source;
 pub use delivery::Delivery;
+use source::{Fetched, ReadAhead, Source};
 
 /// Why a handler did not acknowledge a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -181,7 +185,17 @@ struct Worker<H: Handler> {
     id: String,
     handler: H,
     opts: SubscribeOptions,
-    reader: LogReader,
+    /// Whether to read the next batch while the handler runs on this one
+    /// (more than one CPU, and batches big enough to pay for it).
+    read_ahead: bool,
+    /// Full batches still to deliver without reading ahead, and how many
+    /// times in a row reading ahead did not pay.
+    ahead_paused: u32,
+    ahead_waits: u32,
+    /// How long the worker took, last time, to read a full batch itself.
+    own_read: Duration,
+    /// Batches delivered while reading ahead.
+    ahead_runs: u64,
     writer: Arc<ChannelWriter>,
     dead_letters: Arc<ChannelWriter>,
     offset_path: PathBuf,
@@ -252,7 +266,12 @@ impl Subscriber {
             id: id.to_owned(),
             handler,
             opts,
-            reader: LogReader::new(writer.dir(), start),
+            read_ahead: opts.max_batch >= source::READ_AHEAD_MIN_BATCH
+                && thread::available_parallelism().is_ok_and(|n| n.get() > 1),
+            ahead_paused: 0,
+            ahead_waits: 0,
+            own_read: Duration::ZERO,
+            ahead_runs: 0,
             writer: writer.clone(),
             dead_letters,
             offset_path,
@@ -266,9 +285,10 @@ impl Subscriber {
             abandoned: abandoned.clone(),
             stats,
         };
+        let source = Source::new(LogReader::new(writer.dir(), start));
         let thread = thread::Builder::new()
             .name(format!("keyop-sub-{id}"))
-            .spawn(move || worker.run())?;
+            .spawn(move || worker.run(source))?;
         Ok(Subscriber {
             channel: channel.to_owned(),
             id: id.to_owned(),
@@ -459,14 +479,21 @@ fn sane_start(
 }
 
 impl<H: Handler> Worker<H> {
-    fn run(mut self) {
+    fn run(mut self, mut src: Source) {
         // One batch buffer for the subscription's life: a fresh one per batch
         // grew by reallocation to ~230 kB, mapped and unmapped every batch.
         let mut batch = Vec::with_capacity(self.opts.max_batch.min(MAX_BATCH_CAPACITY));
+        // Started on the first backlog; ended (and joined) with this loop.
+        let mut ahead: Option<ReadAhead> = None;
         while !self.stop.is_set() {
-            self.take_seek();
+            self.take_seek(&mut src);
             batch.clear();
-            if let Err(e) = self.read_batch(&mut batch) {
+            let (reads_itself, started) = (src.nothing_ahead(), Instant::now());
+            let read = self.read_batch(&mut src, &mut batch);
+            if reads_itself && batch.len() == self.opts.max_batch {
+                self.own_read = started.elapsed();
+            }
+            if let Err(e) = read {
                 log::error!(
                     "channel {:?}: subscriber {:?}: read failed: {e}",
                     self.channel,
@@ -487,30 +514,91 @@ impl<H: Handler> Worker<H> {
                 } else {
                     self.opts.poll_interval
                 };
-                self.writer
-                    .notifier()
-                    .wait_past(self.reader.position(), wait);
+                self.writer.notifier().wait_past(src.position(), wait);
                 continue;
             }
-            if !self.deliver(&batch) {
+            let delivered;
+            (src, delivered) = self.deliver_reading_ahead(&mut ahead, src, &batch);
+            if !delivered {
                 break;
             }
             self.flush_offset(false);
         }
+        // The read-ahead thread ends (joined) before the worker says it has.
+        drop(ahead);
         self.flush_offset(true);
         self.finished.set();
     }
 
+    /// Delivers `batch` (see [`Worker::deliver`]). A full batch suggests a
+    /// backlog: then the records after it are read and decoded meanwhile by
+    /// the read-ahead thread (started the first time), so reading overlaps
+    /// the handler's run. Gives `src` back, with what was read ahead.
+    ///
+    /// That pays only with a CPU to spare. When the worker, its handler run
+    /// done, waits longer for the read-ahead thread than it took to read a
+    /// batch itself (other work holds the CPUs), reading ahead pauses for a
+    /// number of batches, doubled each time in a row, and the worker reads
+    /// for itself.
+    fn deliver_reading_ahead(
+        &mut self,
+        ahead: &mut Option<ReadAhead>,
+        src: Source,
+        batch: &[Delivery],
+    ) -> (Source, bool) {
+        if !self.read_ahead || batch.len() < self.opts.max_batch {
+            return (src, self.deliver(batch));
+        }
+        if self.ahead_paused > 0 {
+            self.ahead_paused -= 1;
+            return (src, self.deliver(batch));
+        }
+        if ahead.is_none() {
+            match ReadAhead::start(&self.id) {
+                Ok(a) => *ahead = Some(a),
+                Err(e) => {
+                    log::debug!("channel {:?}: no read-ahead thread: {e}", self.channel);
+                    self.read_ahead = false;
+                    return (src, self.deliver(batch));
+                }
+            }
+        }
+        let reader = ahead.as_ref().expect("started above");
+        let limit = self.writer.committed_end();
+        let src = reader.give(src, limit, self.opts.max_batch);
+        let started = Instant::now();
+        let delivered = self.deliver(batch);
+        let handled = started.elapsed();
+        let src = match src {
+            Some(src) => src,
+            None => reader.take(),
+        };
+        // What the worker waited for the read-ahead thread, beyond its own run.
+        let waited = started.elapsed().saturating_sub(handled);
+        self.ahead_runs += 1;
+        if waited > self.own_read {
+            self.ahead_waits = (self.ahead_waits + 1).min(7);
+            self.ahead_paused = source::READ_AHEAD_PAUSE_BATCHES << (self.ahead_waits - 1);
+        } else {
+            self.ahead_waits = 0;
+            if self.ahead_runs % source::READ_AHEAD_SAMPLE_EVERY == 0 {
+                // The next batch is read by the worker, to time that afresh.
+                self.ahead_paused = 1;
+            }
+        }
+        (src, delivered)
+    }
+
     /// Applies a requested seek: the reader and the acknowledged offset move
     /// there, and the offset is persisted at once.
-    fn take_seek(&mut self) {
+    fn take_seek(&mut self, src: &mut Source) {
         let to = self
             .seek_to
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
         if let Some(to) = to {
-            self.reader.seek(to);
+            src.seek(to);
             self.ack(to);
             self.flush_offset(true);
         }
@@ -526,45 +614,45 @@ impl<H: Handler> Worker<H> {
     /// Reads up to `max_batch` decodable records into `batch` (empty on
     /// entry). Unreadable lines and skipped regions advance the acknowledged
     /// offset directly.
-    fn read_batch(&mut self, batch: &mut Vec<Delivery>) -> io::Result<()> {
+    fn read_batch(&mut self, src: &mut Source, batch: &mut Vec<Delivery>) -> io::Result<()> {
         let limit = self.writer.committed_end();
         while batch.len() < self.opts.max_batch {
-            let Some(item) = self.reader.next_item(limit)? else {
+            let Some(fetched) = src.next(limit)? else {
                 break;
             };
-            let next = item.next_offset();
-            match item {
-                Item::Record { offset, line, .. } => match Delivery::decode(offset, line) {
-                    Ok(d) => batch.push(d),
-                    Err((e, line)) => {
-                        if !batch.is_empty() {
-                            // Settled once the records before it are.
-                            self.reader.seek(offset);
-                            break;
-                        }
-                        // A corrupt run glued to a valid record: only the
-                        // run is unreadable; the record after it is read next.
-                        let bad = split_point(&line).unwrap_or(line.len());
-                        let next = if bad < line.len() {
-                            offset + bad as u64
-                        } else {
-                            next
-                        };
-                        if let Err(err) = self.unreadable(offset, &line[..bad], None, &e) {
-                            self.reader.seek(offset);
-                            return Err(io::Error::other(format!(
-                                "cannot dead-letter the unreadable record at offset {offset}: {err}"
-                            )));
-                        }
-                        self.ack(next);
-                        self.reader.seek(next);
+            let plain = matches!(fetched, Fetched::Record { decoded: Ok(_), .. });
+            if !plain && !batch.is_empty() {
+                // Settled once the records before it are.
+                src.unread(fetched);
+                break;
+            }
+            match fetched {
+                Fetched::Record { decoded: Ok(d), .. } => batch.push(d),
+                Fetched::Record {
+                    offset,
+                    next,
+                    decoded: Err((e, line)),
+                } => {
+                    // A corrupt run glued to a valid record: only the run is
+                    // unreadable; the record after it is read next.
+                    let bad = split_point(&line).unwrap_or(line.len());
+                    let next = if bad < line.len() {
+                        offset + bad as u64
+                    } else {
+                        next
+                    };
+                    if let Err(err) = self.unreadable(offset, &line[..bad], None, &e) {
+                        src.seek(offset);
+                        return Err(io::Error::other(format!(
+                            "cannot dead-letter the unreadable record at offset {offset}: {err}"
+                        )));
                     }
-                },
-                Item::Oversize { .. } | Item::Gap { .. } => {
-                    if !batch.is_empty() {
-                        self.reader.seek(item_start(&item));
-                        break;
+                    self.ack(next);
+                    if bad < line.len() {
+                        src.seek(next);
                     }
+                }
+                Fetched::Other(item) => {
                     if let Item::Gap { from, to } = item {
                         report_gap(
                             &self.channel,
@@ -574,7 +662,7 @@ impl<H: Handler> Worker<H> {
                         );
                         self.handler.gap(from, to);
                     }
-                    self.ack(next);
+                    self.ack(item.next_offset());
                 }
             }
         }
@@ -868,13 +956,6 @@ pub const UNREADABLE_TEXT_BYTES: usize = 64 * 1024;
 /// The data directory of a channel directory (`data_dir/channels/<channel>`).
 fn channel_data_dir(dir: &Path) -> &Path {
     dir.parent().and_then(Path::parent).unwrap_or(dir)
-}
-
-fn item_start(item: &Item) -> u64 {
-    match item {
-        Item::Record { offset, .. } | Item::Oversize { offset, .. } => *offset,
-        Item::Gap { from, .. } => *from,
-    }
 }
 
 #[cfg(test)]

@@ -145,7 +145,8 @@ fn subscriber_quarantines_and_dead_letters_unreadable_records_and_goes_on() {
 }
 
 /// The same in a backlog of several full batches, the unreadable lines in
-/// the middle of later batches: each is settled in its place, after the
+/// the middle of later batches (met first by the read-ahead thread, on a
+/// machine with more than one CPU): each is settled in its place, after the
 /// records before it and before those after it, and nothing is delivered
 /// twice or lost.
 #[test]

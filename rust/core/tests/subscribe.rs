@@ -504,10 +504,11 @@ fn failure_in_the_middle_of_a_batch_keeps_order() {
     assert_eq!(payload["retries"], 0);
 }
 
-/// A backlog of several full batches: a retry, a rejection and a seek from
-/// inside the handler in the middle of it give exactly the order, the dead
-/// letter and the offset they should (nothing of the skipped range, nothing
-/// twice but the retried record).
+/// A backlog of several full batches (read ahead while the handler runs,
+/// on a machine with more than one CPU): a retry, a rejection and a seek
+/// from inside the handler in the middle of it give exactly the order, the
+/// dead letter and the offset they should (nothing of the skipped range,
+/// nothing twice but the retried record).
 #[test]
 fn a_backlog_keeps_order_through_retries_rejects_and_a_seek() {
     let dir = tempdir();
