@@ -636,7 +636,7 @@ fn days_from_civil(year: u64, month: u64, day: u64) -> u64 {
 }
 
 /// The fields of an envelope other than the payload, as the publisher sets them.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header<'a> {
     pub id: &'a str,
     pub ts: &'a str,
