@@ -59,6 +59,15 @@ fn dead_letters(data_dir: &Path) -> Vec<serde_json::Value> {
     out
 }
 
+/// Waits up to 10 s for `cond`, failing the test with `what` after that.
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(Instant::now() < deadline, "{what} not seen in 10 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn subscriber_quarantines_and_dead_letters_unreadable_records_and_goes_on() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -102,14 +111,9 @@ fn subscriber_quarantines_and_dead_letters_unreadable_records_and_goes_on() {
     let _sub = engine
         .subscribe(CH, "s", got.clone(), opts)
         .expect("subscribe");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while got.0.lock().expect("lock").len() < 3 || dead_letters(data).len() < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "delivery and dead letters in 10 s"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("delivery and dead letters", || {
+        got.0.lock().expect("lock").len() >= 3 && dead_letters(data).len() >= 2
+    });
     assert_eq!(*got.0.lock().expect("lock"), vec!["a", "glued", "b"]);
 
     let letters = dead_letters(data);
@@ -191,14 +195,9 @@ fn unreadable_records_in_a_backlog_are_settled_in_order() {
     let _sub = engine
         .subscribe(CH, "s", got.clone(), opts)
         .expect("subscribe");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while got.0.lock().expect("lock").len() < want.len() || dead_letters(data).len() < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "delivery and dead letters in 10 s"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("delivery and dead letters", || {
+        got.0.lock().expect("lock").len() >= want.len() && dead_letters(data).len() >= 2
+    });
     assert_eq!(*got.0.lock().expect("lock"), want);
     let letters = dead_letters(data);
     let offsets: Vec<u64> = letters
@@ -208,9 +207,7 @@ fn unreadable_records_in_a_backlog_are_settled_in_order() {
     assert_eq!(offsets, bad_at);
     assert_eq!(letters[1]["unreadable"], torn);
     let offset = subs.join("s.offset");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while fs::read_to_string(&offset).expect("offset") != format!("{}\n", text.len()) {
-        assert!(Instant::now() < deadline, "offset at the end in 10 s");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("the offset at the end", || {
+        fs::read_to_string(&offset).expect("offset") == format!("{}\n", text.len())
+    });
 }

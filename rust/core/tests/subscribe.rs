@@ -69,18 +69,20 @@ fn payload(n: u64) -> String {
     format!("{{\"n\":{n}}}")
 }
 
+/// A message of the tests' payload type with the JSON `body`.
+fn order(body: &str) -> Outgoing<'_> {
+    Outgoing {
+        payload_type: "com.example.Order",
+        payload_json: body.as_bytes(),
+        service_name: None,
+        correlation_id: None,
+    }
+}
+
 fn publish(engine: &Engine, n: u64) -> Published {
     let body = payload(n);
     engine
-        .publish(
-            CH,
-            &Outgoing {
-                payload_type: "com.example.Order",
-                payload_json: body.as_bytes(),
-                service_name: None,
-                correlation_id: None,
-            },
-        )
+        .publish(CH, &order(&body))
         .unwrap_or_else(|e| panic!("publish {n}: {e}"))
 }
 
@@ -484,15 +486,7 @@ fn failure_in_the_middle_of_a_batch_keeps_order() {
     rec.script(7, vec![Action::Retry("once".into())]);
     let _sub = subscribe(&engine, "mid", &rec, fast_opts());
     let bodies: Vec<String> = (0..10).map(payload).collect();
-    let items: Vec<Outgoing<'_>> = bodies
-        .iter()
-        .map(|b| Outgoing {
-            payload_type: "com.example.Order",
-            payload_json: b.as_bytes(),
-            service_name: None,
-            correlation_id: None,
-        })
-        .collect();
+    let items: Vec<Outgoing<'_>> = bodies.iter().map(|b| order(b)).collect();
     engine.publish_batch(CH, &items).expect("publish batch");
     rec.wait_delivered(9);
 
@@ -522,15 +516,7 @@ fn a_backlog_keeps_order_through_retries_rejects_and_a_seek() {
     };
     let sub = subscribe(&engine, "backlog", &rec, opts);
     let bodies: Vec<String> = (0..400).map(payload).collect();
-    let items: Vec<Outgoing<'_>> = bodies
-        .iter()
-        .map(|b| Outgoing {
-            payload_type: "com.example.Order",
-            payload_json: b.as_bytes(),
-            service_name: None,
-            correlation_id: None,
-        })
-        .collect();
+    let items: Vec<Outgoing<'_>> = bodies.iter().map(|b| order(b)).collect();
     // Set before the backlog is there: the handler seeks from 200 to 300.
     let published_at = |n: usize| {
         let recs = records(dir.path(), CH);
