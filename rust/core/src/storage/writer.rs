@@ -563,7 +563,8 @@ impl ChannelWriter {
     /// come back one by one, each needing the GIL), for at most one
     /// fdatasync's duration (and 2 ms). Without this the first caller back
     /// would flush alone and the others would wait for the next fdatasync,
-    /// halving the records per fdatasync. A lone publisher never waits.
+    /// halving the records per fdatasync. A lone publisher never waits, nor
+    /// does the committer thread ([`ChannelWriter::lead_as`]).
     fn gather<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         let want = st.last_groups;
         if !self.cfg.durable || want < 2 || st.groups.len() >= want {
@@ -591,9 +592,21 @@ impl ChannelWriter {
     /// Runs one batch as leader: everything queued right now. Wakes the
     /// batch's callers when it ends, and asks a caller of the next batch to
     /// lead that one.
-    fn lead<'a>(&'a self, mut st: MutexGuard<'a, State>) {
+    fn lead<'a>(&'a self, st: MutexGuard<'a, State>) {
+        self.lead_as(st, true)
+    }
+
+    /// [`ChannelWriter::lead`], with `gather` false for the committer thread:
+    /// what it commits was submitted by callers that do not block (one
+    /// thread pipelining, or asyncio tasks of one event loop, submitting one
+    /// after another), so waiting for them would only put their submitting
+    /// after the fdatasync instead of beside it. It commits what is queued at
+    /// once, and the next batch fills while this one syncs.
+    fn lead_as<'a>(&'a self, mut st: MutexGuard<'a, State>, gather: bool) {
         st.flushing = true;
-        st = self.gather(st);
+        if gather {
+            st = self.gather(st);
+        }
         let spare = std::mem::take(&mut st.spare);
         let spare_groups = std::mem::take(&mut st.spare_groups);
         let buf = std::mem::replace(&mut st.pending, spare);

@@ -135,7 +135,7 @@ fn committer_loop(writer: std::sync::Weak<ChannelWriter>) {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-        w.lead(st);
+        w.lead_as(st, false);
     }
 }
 
