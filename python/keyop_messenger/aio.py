@@ -122,6 +122,17 @@ _IN_HANDLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+class _Process:
+    """This process's id, kept current by a fork hook, so that checking on
+    each call that an object is used in the process that opened it is no
+    system call (the engine checks for a fork on its own as well)."""
+
+    pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=lambda: setattr(_Process, "pid", os.getpid()))
+
+
 class EventLoopClosedError(RuntimeError):
     """Raised to the engine when a handler cannot run to its end because its
     event loop is closed or shutting down (the handler's task was cancelled):
@@ -257,18 +268,17 @@ class _AsyncBase(_AsyncContext, Generic[S]):
     async def _run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         return await self._submit(fn, *args, **kwargs)
 
-    def _await_receipt(self, receipt: _core.Receipt) -> asyncio.Future[str]:
-        """A future of the running loop completed when ``receipt`` is."""
-        loop = asyncio.get_running_loop()
+    def _completer_of(self, loop: asyncio.AbstractEventLoop) -> _core.Completer:
+        """The completer of ``loop`` (the running loop), made on first use;
+        the one of a previous loop is closed."""
         if self._completer is None or self._completer[0] is not loop:
             if self._completer is not None:
                 self._completer[1].close()
             self._completer = (loop, _core.Completer(loop))
-        future: asyncio.Future[str] = self._completer[1].watch(receipt)
-        return future
+        return self._completer[1]
 
     def _check_process(self) -> None:
-        if os.getpid() != self._pid:  # the pool and the messenger are the parent's
+        if _Process.pid != self._pid:  # the pool and the messenger are the parent's
             raise ForkedProcessError(
                 f"this {type(self).__name__} was opened in process {self._pid}, this is "
                 f"process {os.getpid()}: open a new one in the child"
@@ -341,7 +351,7 @@ class _AsyncBase(_AsyncContext, Generic[S]):
             return
         self._closed = True
         self._close_timeout = timeout
-        if os.getpid() != self._pid:
+        if _Process.pid != self._pid:
             return
         opening, sync = self._opening, self._sync
         if opening is not None:  # close() during open(): wait for it, then close
@@ -400,7 +410,11 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         ``publish`` for the errors raised). The message is handed to the
         engine before the first await, without a worker thread; cancelling the
         awaiting task does not undo it: it still commits (at-least-once)."""
-        sync: Any = self._require()
+        # _require()'s checks inline, and its call only to raise: this runs
+        # once per message of every task.
+        sync: Any = self._sync
+        if sync is None or self._closed or _Process.pid != self._pid:
+            sync = self._require()
         if not isinstance(sync, _core.MessengerBase):  # the ephemeral client waits for a hub
             return await self._run(
                 sync.publish,
@@ -418,7 +432,13 @@ class _AsyncBase(_AsyncContext, Generic[S]):
             correlation_id=correlation_id,
             wait=False,
         )
-        return await self._await_receipt(receipt)
+        loop = asyncio.get_running_loop()
+        completer = self._completer
+        if completer is not None and completer[0] is loop:
+            future: asyncio.Future[str] = completer[1].watch(receipt)
+        else:
+            future = self._completer_of(loop).watch(receipt)
+        return await future
 
     async def publish_batch(
         self,
@@ -498,7 +518,7 @@ class AsyncSubscription(_AsyncContext):
         self._closed = True
         self._bridge.loop_gone = True  # ephemeral: no further handler call
         sync = self._sync
-        if sync is None or self._owner._closed or os.getpid() != self._owner._pid:
+        if sync is None or self._owner._closed or _Process.pid != self._owner._pid:
             return
         if _IN_HANDLER.get():
             sync._deliverer.stop()
