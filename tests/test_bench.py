@@ -146,6 +146,7 @@ def test_quick_bench_prints_every_figure() -> None:
     for key in (
         "publish_relaxed_per_s",
         "publish_relaxed_16_per_s",
+        "raw_json_write_per_s",
         "cpu_us_per_msg_publish_relaxed",
         "cpu_us_per_msg_publish_durable",
         "cpu_us_per_msg_subscribe",
