@@ -204,10 +204,7 @@ pub fn validate_id(id: &str) -> Result<(), RecordError> {
             format!("at most {MAX_ID_BYTES} bytes are allowed"),
         ));
     }
-    if !id
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
-    {
+    if !id.bytes().all(|b| ID_BYTES[usize::from(b)]) {
         return Err(field_error(
             "id",
             id,
@@ -216,6 +213,19 @@ pub fn validate_id(id: &str) -> Result<(), RecordError> {
     }
     Ok(())
 }
+
+/// The bytes an id may hold (see [`validate_id`]), as a table: ids are
+/// checked on every record written or received.
+static ID_BYTES: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        t[b] = c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.' | b':');
+        b += 1;
+    }
+    t
+};
 
 /// Checks a free-text header field (`origin`, `payload_type`,
 /// `service_name`, `correlation_id`): at most [`MAX_FIELD_BYTES`] bytes, no
@@ -228,7 +238,10 @@ pub fn validate_field(field: &'static str, value: &str) -> Result<(), RecordErro
             format!("at most {MAX_FIELD_BYTES} bytes are allowed"),
         ));
     }
-    if value.chars().any(char::is_control) {
+    // Printable ASCII (the usual case) has no control character; anything
+    // else is checked by character (C1 controls are two bytes in UTF-8).
+    let printable = value.bytes().all(|b| (0x20..0x7f).contains(&b));
+    if !printable && value.chars().any(char::is_control) {
         return Err(field_error(
             field,
             value,

@@ -109,6 +109,29 @@ fn fields_are_bounded_and_free_of_control_characters() {
 }
 
 #[test]
+fn every_character_is_judged_by_the_rules() {
+    // Ids: each ASCII byte alone, and inside a longer id.
+    for b in 0u8..128 {
+        let c = char::from(b);
+        let allowed = c.is_ascii_alphanumeric() || "-_.:".contains(c);
+        for id in [c.to_string(), format!("0197-{c}-abcd")] {
+            assert_eq!(validate_id(&id).is_ok(), allowed, "{id:?}");
+        }
+    }
+    // Fields: the first 512 code points (C0, DEL, C1 and beyond), alone and
+    // after printable text.
+    for c in (0u32..512).filter_map(char::from_u32) {
+        for value in [c.to_string(), format!("svc-{c}")] {
+            assert_eq!(
+                validate_field("service_name", &value).is_ok(),
+                !c.is_control(),
+                "{value:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn received_records_are_checked_and_never_echo_bad_values() {
     let ok = record("01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f", "temps", "{}");
     let env = decode_valid(&ok, MAX_RECORD_BYTES, NameKind::Channel).unwrap();
