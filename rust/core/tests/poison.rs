@@ -12,7 +12,7 @@ use keyop_core::storage::quarantine::quarantine_path;
 use keyop_core::storage::Item;
 use keyop_core::{
     read_channel, BatchOutcome, Delivery, Engine, Envelope, Handler, Outgoing, StoreConfig,
-    SubscribeOptions,
+    SubscribeOptions, Subscriber,
 };
 
 const CH: &str = "orders";
@@ -68,6 +68,32 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Opens the engine on `data`, subscribes id `s` (its offset file already
+/// written) with batches of at most `max_batch`, and waits until `records`
+/// were delivered and two dead letters written. Gives back the ids
+/// delivered, and the engine and subscription, to keep it running.
+fn deliver_all(
+    data: &Path,
+    max_batch: usize,
+    records: usize,
+) -> (Vec<String>, Engine, Arc<Subscriber>) {
+    let engine = open_engine(data);
+    let got = Collect::default();
+    let opts = SubscribeOptions {
+        max_batch,
+        poll_interval: Duration::from_millis(20),
+        ..SubscribeOptions::default()
+    };
+    let sub = engine
+        .subscribe(CH, "s", got.clone(), opts)
+        .expect("subscribe");
+    wait_until("delivery and dead letters", || {
+        got.0.lock().expect("lock").len() >= records && dead_letters(data).len() >= 2
+    });
+    let ids = got.0.lock().expect("lock").clone();
+    (ids, engine, sub)
+}
+
 #[test]
 fn subscriber_quarantines_and_dead_letters_unreadable_records_and_goes_on() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -102,19 +128,8 @@ fn subscriber_quarantines_and_dead_letters_unreadable_records_and_goes_on() {
     fs::create_dir_all(&subs).expect("mkdir");
     fs::write(subs.join("s.offset"), format!("{start}\n")).expect("offset");
 
-    let engine = open_engine(data);
-    let got = Collect::default();
-    let opts = SubscribeOptions {
-        poll_interval: Duration::from_millis(20),
-        ..SubscribeOptions::default()
-    };
-    let _sub = engine
-        .subscribe(CH, "s", got.clone(), opts)
-        .expect("subscribe");
-    wait_until("delivery and dead letters", || {
-        got.0.lock().expect("lock").len() >= 3 && dead_letters(data).len() >= 2
-    });
-    assert_eq!(*got.0.lock().expect("lock"), vec!["a", "glued", "b"]);
+    let (got, _engine, _sub) = deliver_all(data, SubscribeOptions::default().max_batch, 3);
+    assert_eq!(got, vec!["a", "glued", "b"]);
 
     let letters = dead_letters(data);
     assert_eq!(letters.len(), 2);
@@ -185,20 +200,8 @@ fn unreadable_records_in_a_backlog_are_settled_in_order() {
     fs::create_dir_all(&subs).expect("mkdir");
     fs::write(subs.join("s.offset"), "0\n").expect("offset");
 
-    let engine = open_engine(data);
-    let got = Collect::default();
-    let opts = SubscribeOptions {
-        max_batch: 64,
-        poll_interval: Duration::from_millis(20),
-        ..SubscribeOptions::default()
-    };
-    let _sub = engine
-        .subscribe(CH, "s", got.clone(), opts)
-        .expect("subscribe");
-    wait_until("delivery and dead letters", || {
-        got.0.lock().expect("lock").len() >= want.len() && dead_letters(data).len() >= 2
-    });
-    assert_eq!(*got.0.lock().expect("lock"), want);
+    let (got, _engine, _sub) = deliver_all(data, 64, want.len());
+    assert_eq!(got, want);
     let letters = dead_letters(data);
     let offsets: Vec<u64> = letters
         .iter()
