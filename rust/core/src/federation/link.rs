@@ -232,6 +232,24 @@ where
 static REFUSAL_LOG: RateLimit = RateLimit::new(Duration::from_secs(10));
 
 /// Logs (rate-limited) and audits one refused record.
+/// [`refuse`]s a record of a received batch and lists it in the batch's
+/// acknowledgement; a refused record with an id is, so far, the last record
+/// the acknowledgement covers (`last_wanted` false: not the last stored).
+fn refuse_in_ack(
+    shared: &Shared,
+    inbound: &Inbound,
+    (ack, last_wanted): (&mut Ack, &mut bool),
+    refused: Refused,
+    why: &str,
+) {
+    refuse(shared, inbound, &refused, why);
+    if !refused.id.is_empty() {
+        ack.last_id.clone_from(&refused.id);
+        *last_wanted = false;
+    }
+    ack.refused.push(refused);
+}
+
 fn refuse(shared: &Shared, inbound: &Inbound, refused: &Refused, why: &str) {
     if let Some(more) = REFUSAL_LOG.check() {
         log::warn!(
@@ -306,12 +324,8 @@ async fn receive_batch(
                     channel: invalid.channel,
                     reason: reason.as_str().into(),
                 };
-                refuse(shared, inbound, &refused, &invalid.error.to_string());
-                if !refused.id.is_empty() {
-                    ack.last_id = refused.id.clone();
-                    last_wanted = false;
-                }
-                ack.refused.push(refused);
+                let why = invalid.error.to_string();
+                refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, &why);
                 continue;
             }
         };
@@ -328,20 +342,9 @@ async fn receive_batch(
                 .as_ref()
                 .is_none_or(|a| a.contains(&*env.channel));
         if !allowed {
-            let refused = Refused {
-                id: env.id.to_string(),
-                channel: env.channel.to_string(),
-                reason: RefusalReason::Policy.as_str().into(),
-            };
-            refuse(
-                shared,
-                inbound,
-                &refused,
-                "channel not allowed for this peer",
-            );
-            ack.last_id = env.id.into_owned();
-            last_wanted = false;
-            ack.refused.push(refused);
+            let refused = Refused::of(&env.id, &env.channel, RefusalReason::Policy);
+            let why = "channel not allowed for this peer";
+            refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, why);
             continue;
         }
         if let Some(budget) = &inbound.channel_budget {
@@ -351,20 +354,9 @@ async fn receive_batch(
                     .channel_dir(&env.channel)
                     .is_ok_and(|d| d.is_dir());
             if is_new && !budget.try_create(&env.channel) {
-                let refused = Refused {
-                    id: env.id.to_string(),
-                    channel: env.channel.to_string(),
-                    reason: RefusalReason::ChannelLimit.as_str().into(),
-                };
-                refuse(
-                    shared,
-                    inbound,
-                    &refused,
-                    "the peer's max_channels is reached",
-                );
-                ack.last_id = env.id.into_owned();
-                last_wanted = false;
-                ack.refused.push(refused);
+                let refused = Refused::of(&env.id, &env.channel, RefusalReason::ChannelLimit);
+                let why = "the peer's max_channels is reached";
+                refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, why);
                 continue;
             }
         }

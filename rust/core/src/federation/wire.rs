@@ -104,6 +104,17 @@ pub struct Refused {
     pub reason: String,
 }
 
+impl Refused {
+    /// The refusal of a valid record, by `reason`.
+    pub fn of(id: &str, channel: &str, reason: super::status::RefusalReason) -> Refused {
+        Refused {
+            id: id.to_owned(),
+            channel: channel.to_owned(),
+            reason: reason.as_str().into(),
+        }
+    }
+}
+
 /// The acknowledgement of one batch: `last_id` keeps its 1.4 meaning
 /// (federation.md §7); `refused` is an extension sent only to peers that
 /// announced [`FEATURE_REFUSALS`] and omitted when empty.
