@@ -857,18 +857,26 @@ fn non_empty(field: Option<Cow<'_, str>>) -> Option<Cow<'_, str>> {
     field.filter(|c| !c.is_empty())
 }
 
+/// The [`Header`] of an envelope, owned ([`Envelope`]) or borrowed
+/// ([`EnvelopeRef`]): their fields deref to the same `str`s.
+macro_rules! header_of {
+    ($e:expr) => {
+        Header {
+            id: &$e.id,
+            ts: &$e.ts,
+            channel: &$e.channel,
+            origin: &$e.origin,
+            payload_type: &$e.payload_type,
+            correlation_id: $e.correlation_id.as_deref(),
+            service_name: $e.service_name.as_deref(),
+        }
+    };
+}
+
 impl<'a> EnvelopeRef<'a> {
     /// The header fields, as [`encode_record`] takes them.
     pub fn header(&self) -> Header<'_> {
-        Header {
-            id: &self.id,
-            ts: &self.ts,
-            channel: &self.channel,
-            origin: &self.origin,
-            payload_type: &self.payload_type,
-            correlation_id: self.correlation_id.as_deref(),
-            service_name: self.service_name.as_deref(),
-        }
+        header_of!(self)
     }
 
     /// This envelope as one record line (with `\n`), as [`Envelope::encode`]
@@ -943,15 +951,7 @@ impl Envelope {
 
     /// The header fields, as [`encode_record`] takes them.
     pub fn header(&self) -> Header<'_> {
-        Header {
-            id: &self.id,
-            ts: &self.ts,
-            channel: &self.channel,
-            origin: &self.origin,
-            payload_type: &self.payload_type,
-            correlation_id: self.correlation_id.as_deref(),
-            service_name: self.service_name.as_deref(),
-        }
+        header_of!(self)
     }
 
     /// This envelope as one record line (with `\n`), keys in the original's order.
