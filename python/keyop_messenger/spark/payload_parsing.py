@@ -5,6 +5,7 @@ give the same results: the engine for flat schemas of plain values
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -27,21 +28,6 @@ if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
 
 
-def arrow_parses(dtype: DataType) -> bool:
-    """Whether Arrow's JSON reader parses values of ``dtype`` as
-    :func:`json_to_spark` does when it accepts them at all (it refuses, and
-    the batch falls back to Python, whenever a value does not fit)."""
-    if isinstance(dtype, StructType):
-        return all(arrow_parses(f.dataType) for f in dtype.fields)
-    if isinstance(dtype, ArrayType):
-        return arrow_parses(dtype.elementType)
-    return isinstance(
-        dtype,
-        (StringType, BooleanType, ByteType, ShortType, IntegerType, LongType, FloatType,
-         DoubleType, TimestampType),
-    )  # fmt: skip
-
-
 #: The engine's kind (``_core.parse_payload_fields``) of each type of a
 #: top-level payload field it parses.
 FLAT_KINDS: dict[type[DataType], str] = {
@@ -55,6 +41,30 @@ FLAT_KINDS: dict[type[DataType], str] = {
     DoubleType: "float64",
     TimestampType: "timestamp_utc",
 }
+
+
+def arrow_parses(dtype: DataType) -> bool:
+    """Whether Arrow's JSON reader parses values of ``dtype`` as
+    :func:`json_to_spark` does when it accepts them at all (it refuses, and
+    the batch falls back to Python, whenever a value does not fit): structs
+    and arrays of the plain types of :data:`FLAT_KINDS`."""
+    if isinstance(dtype, StructType):
+        return all(arrow_parses(f.dataType) for f in dtype.fields)
+    if isinstance(dtype, ArrayType):
+        return arrow_parses(dtype.elementType)
+    return isinstance(dtype, tuple(FLAT_KINDS))
+
+
+@functools.cache
+def _arrow_types() -> dict[str, pa.DataType]:
+    """The Arrow type of each of the engine's kinds (the values of :data:`FLAT_KINDS`)."""
+    import pyarrow as pa
+
+    return {
+        "utf8": pa.string(), "bool": pa.bool_(), "int8": pa.int8(), "int16": pa.int16(),
+        "int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(),
+        "float64": pa.float64(), "timestamp_utc": pa.timestamp("us", tz="UTC"),
+    }  # fmt: skip
 
 
 def flat_kinds(dtype: DataType) -> list[tuple[str, str]] | None:
@@ -79,11 +89,7 @@ def flat_payloads(
     parsed = _core.parse_payload_fields(data, rows, flat)
     if parsed is None:
         return None
-    arrow_types = {
-        "utf8": pa.string(), "bool": pa.bool_(), "int8": pa.int8(), "int16": pa.int16(),
-        "int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(),
-        "float64": pa.float64(), "timestamp_utc": pa.timestamp("us", tz="UTC"),
-    }  # fmt: skip
+    arrow_types = _arrow_types()
     fields = [kind.field(i) for i in range(kind.num_fields)]
     arrays = []
     for f, (_, k), (values, offsets, validity, nulls) in zip(fields, flat, parsed, strict=True):
