@@ -130,7 +130,8 @@ class Subscription(_SyncContext):
 
     @property
     def position(self) -> int:
-        """Global offset of the next message not yet acknowledged."""
+        """Global offset of the next message not yet acknowledged; after
+        :meth:`seek`, the position sought."""
         return self._core.position
 
     def seek(self, position: Position) -> None:
@@ -138,8 +139,11 @@ class Subscription(_SyncContext):
         an ``int`` offset that starts a record, or a timezone-aware
         ``datetime``): the next message delivered is the one there, and the
         subscriber's offset is moved there. Taken between handler calls: a
-        call in progress finishes first. Raises :class:`ConfigError` for a
-        position that is not a record boundary or a naive datetime."""
+        call in progress finishes first. :attr:`position` shows the new
+        position at once, and a seek not yet taken when the subscription
+        closes is kept: its offset is the one persisted. Raises
+        :class:`ConfigError` for a position that is not a record boundary or
+        a naive datetime."""
         self._core.seek(*to_core(position, "position"))
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:

@@ -314,14 +314,21 @@ impl Subscriber {
         &self.id
     }
 
-    /// Offset of the next record not yet acknowledged.
+    /// Offset of the next record not yet acknowledged; once [`seek`] was
+    /// called, the offset it goes to, even before the delivery thread takes
+    /// it.
+    ///
+    /// [`seek`]: Subscriber::seek
     pub fn position(&self) -> u64 {
-        self.position.load(Ordering::Acquire)
+        let pending = *self.seek_to.lock().unwrap_or_else(|e| e.into_inner());
+        pending.unwrap_or_else(|| self.position.load(Ordering::Acquire))
     }
 
     /// Asks the delivery thread to go on at `offset` (a record boundary,
     /// already checked): it is taken between batches, the offset is
-    /// persisted, and the next record delivered is the one at `offset`.
+    /// persisted, and the next record delivered is the one at `offset`. A
+    /// seek not yet taken when delivery stops is taken as it stops, so the
+    /// offset persisted is the seek's.
     pub fn seek(&self, offset: u64) {
         *self.seek_to.lock().unwrap_or_else(|e| e.into_inner()) = Some(offset);
         self.writer.notifier().wake_all();
@@ -526,6 +533,8 @@ impl<H: Handler> Worker<H> {
         }
         // The read-ahead thread ends (joined) before the worker says it has.
         drop(ahead);
+        // A seek asked for before the stop is kept: its offset is persisted.
+        self.take_seek(&mut src);
         self.flush_offset(true);
         self.finished.set();
     }
@@ -592,14 +601,17 @@ impl<H: Handler> Worker<H> {
     /// Applies a requested seek: the reader and the acknowledged offset move
     /// there, and the offset is persisted at once.
     fn take_seek(&mut self, src: &mut Source) {
-        let to = self
-            .seek_to
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let to = *self.seek_to.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(to) = to {
             src.seek(to);
             self.ack(to);
+            // Cleared only once acknowledged, so `position()` never shows
+            // the offset before the seek; a newer seek stays pending.
+            let mut pending = self.seek_to.lock().unwrap_or_else(|e| e.into_inner());
+            if *pending == Some(to) {
+                *pending = None;
+            }
+            drop(pending);
             self.flush_offset(true);
         }
     }

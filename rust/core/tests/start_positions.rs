@@ -7,6 +7,7 @@
 
 use std::fs;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant, UNIX_EPOCH};
@@ -360,12 +361,13 @@ fn seek_while_running_redelivers_from_the_position() {
     ));
 }
 
-/// A handler that holds its first batch until opened.
+/// A handler that holds its first batch until opened; counts its calls.
 #[derive(Clone, Default)]
-struct Gate(Arc<Mutex<bool>>);
+struct Gate(Arc<Mutex<bool>>, Arc<AtomicUsize>);
 
 impl Handler for Gate {
     fn handle(&mut self, batch: &[Delivery]) -> BatchOutcome {
+        self.1.fetch_add(1, Ordering::SeqCst);
         let deadline = Instant::now() + WAIT;
         while !*self.0.lock().unwrap() && Instant::now() < deadline {
             thread::sleep(Duration::from_millis(5));
@@ -386,18 +388,7 @@ fn a_seek_is_persisted_when_taken() {
     }
     let gate = Gate::default();
     let sub = e.subscribe(CH, "s", gate.clone(), opts()).unwrap();
-    let offset_file = tmp
-        .path()
-        .join("data/subscribers")
-        .join(CH)
-        .join("s.offset");
-    let stored = || -> u64 {
-        fs::read_to_string(&offset_file)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap()
-    };
+    let stored = || stored_offset(&tmp, "s");
     let end = e.resolve_position(CH, StartPosition::Latest).unwrap();
     assert_eq!(stored(), end);
     e.seek(&sub, StartPosition::Earliest).unwrap();
@@ -410,4 +401,54 @@ fn a_seek_is_persisted_when_taken() {
     *gate.0.lock().unwrap() = true;
     e.release(&sub);
     assert_eq!(stored(), end);
+}
+
+/// The offset file of subscriber `id`.
+fn stored_offset(tmp: &TempDir, id: &str) -> u64 {
+    let path = tmp
+        .path()
+        .join("data/subscribers")
+        .join(CH)
+        .join(format!("{id}.offset"));
+    fs::read_to_string(path).unwrap().trim().parse().unwrap()
+}
+
+/// A seek asked for while a handler call runs shows in `position()` at
+/// once, and when delivery stops before taking it, the offset persisted is
+/// the seek's, not the one past the batch the handler was holding.
+#[test]
+fn a_seek_asked_for_before_a_stop_is_persisted() {
+    let tmp = TempDir::new().unwrap();
+    let e = open(&tmp);
+    let offs: Vec<u64> = (0..3).map(|n| publish(&e, n)).collect();
+    let gate = Gate::default();
+    let sub = e
+        .subscribe_from(
+            CH,
+            "s",
+            gate.clone(),
+            opts(),
+            StartPosition::Earliest,
+            false,
+        )
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    while gate.1.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the handler was not called");
+        thread::sleep(Duration::from_millis(5));
+    }
+    // The handler holds records 0-2.
+    assert_eq!(sub.position(), 0);
+    e.seek(&sub, StartPosition::Offset(offs[1])).unwrap();
+    assert_eq!(sub.position(), offs[1], "the seek shows before it is taken");
+    sub.signal_stop();
+    *gate.0.lock().unwrap() = true;
+    e.release(&sub);
+    assert_eq!(
+        gate.1.load(Ordering::SeqCst),
+        1,
+        "nothing delivered after the stop"
+    );
+    assert_eq!(sub.position(), offs[1]);
+    assert_eq!(stored_offset(&tmp, "s"), offs[1]);
 }
