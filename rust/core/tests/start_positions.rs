@@ -20,7 +20,7 @@ use keyop_core::storage::timeindex::{
 use keyop_core::storage::Item;
 use keyop_core::{
     read_channel, BatchOutcome, Delivery, Engine, Envelope, Error, Handler, Outgoing, StoreConfig,
-    SubscribeOptions,
+    SubscribeOptions, Subscriber,
 };
 use tempfile::TempDir;
 
@@ -333,22 +333,19 @@ fn subscribe_start_positions_and_reset() {
     }
 }
 
+/// Subscriber `s` of the channel from its first record.
+fn subscribe_earliest(e: &Engine, handler: impl Handler) -> Arc<Subscriber> {
+    e.subscribe_from(CH, "s", handler, opts(), StartPosition::Earliest, false)
+        .unwrap()
+}
+
 #[test]
 fn seek_while_running_redelivers_from_the_position() {
     let tmp = TempDir::new().unwrap();
     let e = open(&tmp);
     let offs: Vec<u64> = (0..3).map(|n| publish(&e, n)).collect();
     let seen = Seen::default();
-    let sub = e
-        .subscribe_from(
-            CH,
-            "s",
-            seen.clone(),
-            opts(),
-            StartPosition::Earliest,
-            false,
-        )
-        .unwrap();
+    let sub = subscribe_earliest(&e, seen.clone());
     assert_eq!(seen.wait_for(3), vec![0, 1, 2]);
     e.seek(&sub, StartPosition::Offset(offs[1])).unwrap();
     assert_eq!(seen.wait_for(5), vec![0, 1, 2, 1, 2]);
@@ -422,16 +419,7 @@ fn a_seek_asked_for_before_a_stop_is_persisted() {
     let e = open(&tmp);
     let offs: Vec<u64> = (0..3).map(|n| publish(&e, n)).collect();
     let gate = Gate::default();
-    let sub = e
-        .subscribe_from(
-            CH,
-            "s",
-            gate.clone(),
-            opts(),
-            StartPosition::Earliest,
-            false,
-        )
-        .unwrap();
+    let sub = subscribe_earliest(&e, gate.clone());
     let deadline = Instant::now() + WAIT;
     while gate.1.load(Ordering::SeqCst) == 0 {
         assert!(Instant::now() < deadline, "the handler was not called");

@@ -231,7 +231,6 @@ where
 /// thousands a second); each one is audited.
 static REFUSAL_LOG: RateLimit = RateLimit::new(Duration::from_secs(10));
 
-/// Logs (rate-limited) and audits one refused record.
 /// [`refuse`]s a record of a received batch and lists it in the batch's
 /// acknowledgement; a refused record with an id is, so far, the last record
 /// the acknowledgement covers (`last_wanted` false: not the last stored).
@@ -250,6 +249,7 @@ fn refuse_in_ack(
     ack.refused.push(refused);
 }
 
+/// Logs (rate-limited) and audits one refused record.
 fn refuse(shared: &Shared, inbound: &Inbound, refused: &Refused, why: &str) {
     if let Some(more) = REFUSAL_LOG.check() {
         log::warn!(
