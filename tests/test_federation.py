@@ -325,6 +325,8 @@ def test_publish_and_subscribe_policies(pki: PKI, tmp_path: Path, start: Starter
     client.subscribe("secret", "app", secrets)
     wait_peers(hub, "node1")
 
+    # The hub lists the peer before it has opened its channels and audited it.
+    wait_until(lambda: audit_events(hub_dir, "client_connected", peer="node1"), "connected")
     (connected,) = audit_events(hub_dir, "client_connected", peer="node1")
     match = re.fullmatch(r"addr=(127\.0\.0\.1:\d+) sub=\[cmds\] pub=\[temps\]", connected["detail"])
     assert match, connected
