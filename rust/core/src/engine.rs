@@ -450,13 +450,16 @@ impl Engine {
             false => self
                 .store
                 .open_writer_now(channel)
-                .and_then(|w| w.try_append_now(&line, 1)),
+                .and_then(|w| w.try_append_now(&line, 1, started)),
         };
-        let at = match now {
-            Some(done) => done?,
-            None => wait(&|| Ok(self.store.writer(channel)?.append(&line, 1)?))?,
+        let (at, took) = match now {
+            Some((done, took)) => (done?, took),
+            None => {
+                let at = wait(&|| Ok(self.store.writer(channel)?.append(&line, 1)?))?;
+                (at, started.elapsed())
+            }
         };
-        self.stats.publish.record(started.elapsed());
+        self.stats.publish.record(took);
         if let Some(seen) = self.seen.get() {
             seen.insert(&id);
         }

@@ -92,8 +92,9 @@ struct Active {
     /// later append fails with this error (nothing is acknowledged into a
     /// file no one can read) until the data directory is opened again.
     broken: Option<StorageError>,
-    /// When the file was last checked to be the one its path names.
-    checked: Instant,
+    /// When the file was last checked to be the one its path names
+    /// ([`commit::coarse_now`]).
+    checked: Duration,
 }
 
 struct Outcome {
@@ -311,7 +312,7 @@ impl ChannelWriter {
                 len: 0,
                 tainted: false,
                 broken: None,
-                checked: Instant::now(),
+                checked: commit::coarse_now(),
             },
             Some(&start) => {
                 let path = segment::segment_path(dir, start);
@@ -328,7 +329,7 @@ impl ChannelWriter {
                     len: good,
                     tainted: false,
                     broken: None,
-                    checked: Instant::now(),
+                    checked: commit::coarse_now(),
                 }
             }
         };
@@ -470,7 +471,9 @@ impl ChannelWriter {
     /// write itself (and the periodic identity check, a `stat`): the
     /// writer's lock is free, nobody else is appending or flushing, no
     /// segment roll or cut-back is due, and writes taken this way have been
-    /// fast. `None` means nothing was done; call `append`.
+    /// fast. `None` means nothing was done; call `append`. `started` is the
+    /// caller's clock reading from just before; the time since then is
+    /// returned with the result (one clock reading serves both).
     ///
     /// For callers that hold a lock of their own which others wait for (the
     /// GIL) and must not hold it across a wait: a write into the page cache
@@ -481,47 +484,86 @@ impl ChannelWriter {
         &self,
         records: &[u8],
         count: u64,
-    ) -> Option<Result<Appended, StorageError>> {
+        started: Instant,
+    ) -> Option<(Result<Appended, StorageError>, Duration)> {
         debug_assert!(records.ends_with(b"\n"));
         if self.cfg.durable || self.has_faults.load(Ordering::Relaxed) {
             return None;
         }
-        let started = Instant::now();
         let since_open = |t: Instant| t.duration_since(self.opened).as_nanos() as u64;
         if since_open(started) < self.now_paused_until.load(Ordering::Relaxed) {
             return None;
         }
-        let mut st = self.state.try_lock().ok()?;
-        if st.closed || st.flushing || !st.groups.is_empty() {
+        let mut guard = self.state.try_lock().ok()?;
+        let st = &mut *guard;
+        if st.closed || st.flushing || !st.groups.is_empty() || st.waiters > 0 {
             return None;
         }
-        let active = st.active.as_ref()?;
         let limit = self.cfg.segment_bytes;
+        let active = st.active.as_mut()?;
         if active.tainted
             || active.broken.is_some()
             || (limit > 0 && active.len > 0 && active.len + records.len() as u64 > limit)
         {
             return None;
         }
-        st.pending.extend_from_slice(records);
-        st.groups.push((records.len(), count));
-        let slot = st.slot.clone();
-        self.lead(st);
-        if started.elapsed() > NOW_SLOW {
+        // Nothing is queued or in flight, and the lock keeps it so: this
+        // append is a batch of its own, written here rather than through a
+        // queue and a slot as `lead` would.
+        let offset = active.start + active.len;
+        let written = self.commit_run(active, records, false);
+        let end = active.start + active.len;
+        if !st
+            .sync_file
+            .as_ref()
+            .is_some_and(|f| Arc::ptr_eq(f, &active.file))
+        {
+            st.sync_file = Some(active.file.clone());
+        }
+        let done = written.is_ok();
+        self.count_batch(
+            if done {
+                (count, 1, records.len())
+            } else {
+                (0, 0, 0)
+            },
+            !done,
+        );
+        drop(guard);
+        if done {
+            self.notifier.publish(end);
+        }
+        let took = started.elapsed();
+        if took > NOW_SLOW {
             // Each slow write in a row doubles the pause, so a disk that
             // stays slow costs a held lock ever more rarely.
             let streak = self.now_slow_streak.fetch_add(1, Ordering::Relaxed).min(6);
-            let until = since_open(Instant::now() + NOW_PAUSE * (1 << streak));
+            let until = since_open(started + took + NOW_PAUSE * (1 << streak));
             self.now_paused_until.store(until, Ordering::Relaxed);
         } else if self.now_slow_streak.load(Ordering::Relaxed) != 0 {
             self.now_slow_streak.store(0, Ordering::Relaxed);
         }
-        Some(
-            slot.outcome
-                .get()
-                .expect("the batch this caller led is finished")
-                .result(0, records.len()),
-        )
+        let result = written.map(|()| Appended {
+            offset,
+            end: offset + records.len() as u64,
+        });
+        Some((result, took))
+    }
+
+    /// Counts one finished batch: `(records, appends, bytes)` committed, and
+    /// whether an error stopped it.
+    fn count_batch(&self, (records, appends, bytes): (u64, u64, usize), failed: bool) {
+        let c = &self.counters;
+        c.batches.fetch_add(1, Ordering::Relaxed);
+        c.records.fetch_add(records, Ordering::Relaxed);
+        c.appends.fetch_add(appends, Ordering::Relaxed);
+        c.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        if failed {
+            c.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        if bytes > 0 && !self.cfg.durable {
+            self.unsynced.store(true, Ordering::Release);
+        }
     }
 
     /// Queues `records` for the next batch (the state's lock held): their
@@ -641,17 +683,7 @@ impl ChannelWriter {
             records += n;
             done_groups += 1;
         }
-        let c = &self.counters;
-        c.batches.fetch_add(1, Ordering::Relaxed);
-        c.records.fetch_add(records, Ordering::Relaxed);
-        c.appends.fetch_add(done_groups, Ordering::Relaxed);
-        c.bytes.fetch_add(committed as u64, Ordering::Relaxed);
-        if error.is_some() {
-            c.failures.fetch_add(1, Ordering::Relaxed);
-        }
-        if committed > 0 && !self.cfg.durable {
-            self.unsynced.store(true, Ordering::Release);
-        }
+        self.count_batch((records, done_groups, committed), error.is_some());
         let end = active.start + active.len;
 
         let mut st = self.lock();

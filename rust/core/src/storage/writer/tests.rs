@@ -196,8 +196,9 @@ fn try_append_now_writes_at_once_when_idle() {
     let w = open_writer(tmp.path(), false);
     let first = w.append(b"one\n", 1).expect("append");
     let now = w
-        .try_append_now(b"two\n", 1)
+        .try_append_now(b"two\n", 1, Instant::now())
         .expect("an idle writer takes the append")
+        .0
         .expect("written");
     assert_eq!((first.offset, now.offset, now.end), (0, 4, 8));
     assert_eq!(w.committed_end(), 8);
@@ -216,20 +217,20 @@ fn try_append_now_declines_rather_than_wait() {
     let tmp = tempfile::tempdir().expect("tempdir");
     // Durable mode waits for an fdatasync.
     let durable = open_writer(&tmp.path().join("d"), true);
-    assert!(durable.try_append_now(b"x\n", 1).is_none());
+    assert!(durable.try_append_now(b"x\n", 1, Instant::now()).is_none());
 
     let w = open_writer(tmp.path(), false);
     // A flush in progress (another thread leads a batch).
     w.lock().flushing = true;
-    assert!(w.try_append_now(b"x\n", 1).is_none());
+    assert!(w.try_append_now(b"x\n", 1, Instant::now()).is_none());
     w.lock().flushing = false;
     // The writer's lock is held by another thread.
     let held = w.lock();
-    assert!(w.try_append_now(b"x\n", 1).is_none());
+    assert!(w.try_append_now(b"x\n", 1, Instant::now()).is_none());
     drop(held);
     // An injected fault is for the full path.
     w.inject_fault(FaultPoint::Write { partial: 0 }, 1);
-    assert!(w.try_append_now(b"x\n", 1).is_none());
+    assert!(w.try_append_now(b"x\n", 1, Instant::now()).is_none());
     assert!(
         w.append(b"x\n", 1).is_err(),
         "the fault was left for append"
@@ -237,16 +238,16 @@ fn try_append_now_declines_rather_than_wait() {
     // Paused after a slow write.
     w.now_paused_until
         .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
-    assert!(w.try_append_now(b"x\n", 1).is_none());
+    assert!(w.try_append_now(b"x\n", 1, Instant::now()).is_none());
     w.now_paused_until
         .store(0, std::sync::atomic::Ordering::Relaxed);
     assert!(w.lock().groups.is_empty(), "nothing was queued");
     assert_eq!(w.committed_end(), 0);
-    assert!(w.try_append_now(b"y\n", 1).is_some());
+    assert!(w.try_append_now(b"y\n", 1, Instant::now()).is_some());
     assert_eq!(segment_text(tmp.path()), "y\n");
     // Closed: declined, and `append` says why.
     w.close();
-    assert!(w.try_append_now(b"z\n", 1).is_none());
+    assert!(w.try_append_now(b"z\n", 1, Instant::now()).is_none());
     assert!(matches!(w.append(b"z\n", 1), Err(StorageError::Closed(_))));
 }
 
@@ -260,10 +261,13 @@ fn try_append_now_leaves_a_segment_roll_to_append() {
     };
     let w = ChannelWriter::open("c", &tmp.path().join("c"), cfg).expect("open writer");
     assert!(
-        w.try_append_now(b"abcde\n", 1).is_some(),
+        w.try_append_now(b"abcde\n", 1, Instant::now()).is_some(),
         "the first record fits"
     );
-    assert!(w.try_append_now(b"fghij\n", 1).is_none(), "this one rolls");
+    assert!(
+        w.try_append_now(b"fghij\n", 1, Instant::now()).is_none(),
+        "this one rolls"
+    );
     let rolled = w.append(b"fghij\n", 1).expect("append rolls");
     assert_eq!(rolled.offset, 6);
 }
@@ -280,26 +284,38 @@ fn try_append_now_and_append_interleave_safely() {
         .map(|t| {
             let w = w.clone();
             std::thread::spawn(move || {
+                let mut placed = Vec::with_capacity(EACH);
                 for i in 0..EACH {
                     let line = format!("{t}:{i}\n");
                     let done = if t % 2 == 0 {
-                        w.try_append_now(line.as_bytes(), 1)
+                        w.try_append_now(line.as_bytes(), 1, Instant::now())
+                            .map(|(r, _)| r)
                     } else {
                         None
                     };
-                    match done {
+                    let at = match done {
                         Some(r) => r,
                         None => w.append(line.as_bytes(), 1),
                     }
                     .expect("append");
+                    placed.push((line, at));
                 }
+                placed
             })
         })
         .collect();
-    for h in handles {
-        h.join().expect("thread");
-    }
+    let placed: Vec<_> = handles
+        .into_iter()
+        .flat_map(|h| h.join().expect("thread"))
+        .collect();
     let text = segment_text(tmp.path());
+    for (line, at) in &placed {
+        assert_eq!(
+            &text[at.offset as usize..at.end as usize],
+            line,
+            "the offsets returned are where the record is"
+        );
+    }
     let mut next = [0usize; THREADS];
     for line in text.lines() {
         let (t, i) = line.split_once(':').expect("whole line");
