@@ -319,12 +319,14 @@ const RELAXED_CHECK_EVERY: Duration = Duration::from_millis(1);
 /// a fifth of a precise reading and is read on every relaxed write.
 #[cfg(target_os = "linux")]
 pub(super) fn coarse_now() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
+    let mut ts = std::mem::MaybeUninit::<libc::timespec>::zeroed();
+    // SAFETY: `ts` is a zeroed timespec (a valid value of it, whatever
+    // padding the target's layout has) for the call to fill in; the call
+    // cannot fail for this clock.
+    let ts = unsafe {
+        libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, ts.as_mut_ptr());
+        ts.assume_init()
     };
-    // SAFETY: `ts` is a valid timespec for the call to fill in.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
