@@ -395,6 +395,31 @@ def test_subscribe_receives_live_messages_only(
     assert no_fed_cursor_files(hub_dir) == []
 
 
+def test_a_record_published_once_connect_returns_is_delivered(
+    pki: PKI, tmp_path: Path, start: Starter, ephemeral: EphStarter
+) -> None:
+    """Whatever is published after ``connect()`` returns reaches a live
+    listener: the hub starts the peer's readers before it welcomes the peer.
+    Repeated, since the window it closes was short (the hub once welcomed
+    first, then started reading at the end)."""
+    hub = hub_for(pki, tmp_path / "hub", start)
+    # Many subscribed channels make the hub's start of the peer's readers
+    # take a while; the record goes to the last of them.
+    channels = [f"cmds-{i:03}" for i in range(200)]
+    for channel in channels:
+        hub.publish(channel, "test.Command", {})
+    for n in range(5):
+        eph = ephemeral(eph_config(pki, tmp_path, hub_port(hub), subscribe=channels))
+        inbox = Inbox()
+        for channel in channels:
+            eph.subscribe(channel, inbox)
+        eph.connect()
+        sent = hub.publish(channels[-1], "test.Command", {"n": n})
+        inbox.wait_count(1, f"command {n}")
+        assert inbox.ids() == [sent]
+        eph.close()
+
+
 def test_publish_from_inside_a_handler(hub_and_client: HubAndClient) -> None:
     """Request/reply: a live listener answers each command with a publish."""
     hub_dir, hub, eph = hub_and_client(subscribe=["cmds"], connect=False)

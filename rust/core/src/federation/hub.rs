@@ -441,6 +441,18 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         log::warn!("hub: closing the connection of {peer:?} from {remote}: {e}");
         return;
     }
+    // The peer's readers start before it is welcomed: a client whose
+    // connect returned gets every record published after that (an ephemeral
+    // peer starts at the end, so a record published between the welcome and
+    // its readers' start was never sent to it).
+    let subscription = effective_subscription(&hello.subscribe, &entry);
+    let out = match open_channels(&shared, &peer, &subscription, hello.ephemeral).await {
+        Ok(out) => out,
+        Err(e) => {
+            log::error!("hub: cannot serve {peer:?}: {e}");
+            return;
+        }
+    };
     // A client that asked to hear of refusals (wire::FEATURE_REFUSALS) is
     // told its allowlist now; a 1.4 client gets the 1.4 handshake.
     let report_refusals = hello.has_feature(FEATURE_REFUSALS);
@@ -458,7 +470,6 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         return;
     }
     state.counters.accepted.fetch_add(1, Ordering::Relaxed);
-    let subscription = effective_subscription(&hello.subscribe, &entry);
     let mut detail = format!("addr={remote_s}");
     if !subscription.is_empty() {
         detail.push_str(&format!(" sub={}", list_text(&subscription)));
@@ -466,13 +477,6 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
     if !entry.publish.is_empty() {
         detail.push_str(&format!(" pub={}", list_text(&entry.publish)));
     }
-    let out = match open_channels(&shared, &peer, &subscription, hello.ephemeral).await {
-        Ok(out) => out,
-        Err(e) => {
-            log::error!("hub: cannot serve {peer:?}: {e}");
-            return;
-        }
-    };
     let cancel = guard.cancel.clone();
     audit(&shared, "client_connected", &peer, &remote_s, detail);
     log::info!(
