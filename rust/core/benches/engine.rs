@@ -15,7 +15,7 @@ use keyop_core::engine::encode_message;
 use keyop_core::envelope::{encode_record, format_ts, new_id, EnvelopeRef, Header};
 use keyop_core::federation::wire::{push_record, split_batch};
 use keyop_core::storage::Item;
-use keyop_core::{read_channel, Engine, Envelope, Outgoing, StoreConfig};
+use keyop_core::{read_channel, Delivery, Engine, Envelope, Outgoing, StoreConfig};
 use tempfile::TempDir;
 
 const CHANNEL: &str = "bench";
@@ -163,6 +163,21 @@ fn timed_threaded_appends(record: &[u8], iters: u64) -> Duration {
     took
 }
 
+/// Reads the whole channel as a subscriber does, each record decoded into a
+/// [`Delivery`] (the read-ahead thread's work per record); returns the count.
+fn scan_deliveries(data_dir: &Path) -> usize {
+    let mut reader = read_channel(data_dir, CHANNEL, 0).expect("reader");
+    let mut n = 0;
+    while let Some(item) = reader.next_item(u64::MAX).expect("read") {
+        if let Item::Record { offset, line, .. } = item {
+            black_box(Delivery::decode(offset, line).expect("decode"));
+            n += 1;
+        }
+    }
+    assert_eq!(n, SCAN_RECORDS);
+    n
+}
+
 /// Reads the whole channel, optionally decoding each record; returns the count.
 fn scan(data_dir: &Path, decode: bool) -> usize {
     let mut reader = read_channel(data_dir, CHANNEL, 0).expect("reader");
@@ -195,6 +210,9 @@ fn reader(c: &mut Criterion) {
     });
     g.bench_function(format!("scan_decode/{SCAN_RECORDS}"), |b| {
         b.iter(|| scan(dir.path(), true))
+    });
+    g.bench_function(format!("scan_deliveries/{SCAN_RECORDS}"), |b| {
+        b.iter(|| scan_deliveries(dir.path()))
     });
     g.finish();
 }
