@@ -494,7 +494,7 @@ impl<H: Handler> Worker<H> {
         let mut ahead: Option<ReadAhead> = None;
         while !self.stop.is_set() {
             self.take_seek(&mut src);
-            batch.clear();
+            src.recycle(&mut batch);
             let (reads_itself, started) = (src.nothing_ahead(), Instant::now());
             let read = self.read_batch(&mut src, &mut batch);
             if reads_itself && batch.len() == self.opts.max_batch {

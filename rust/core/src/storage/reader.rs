@@ -109,10 +109,20 @@ pub struct LogReader {
     open: Option<Open>,
     /// Descriptor-pool owner of the files opened (a store's, or none).
     owner: u64,
+    /// Emptied line buffers given back ([`LogReader::recycle`]), filled
+    /// again by the next reads instead of allocating one per line.
+    spare: Vec<Vec<u8>>,
 }
 
+/// Most line buffers a reader keeps for reuse: a subscriber's batch.
+const SPARE_LINES: usize = 1024;
+/// Buffers larger than this are freed rather than kept, so one large record
+/// does not pin its size for the reader's life.
+const SPARE_LINE_CAPACITY: usize = 4096;
+
 enum Line {
-    Complete(Vec<u8>),
+    /// A line was read into the buffer given.
+    Complete,
     Oversize(u64),
     /// End of file (possibly after an unterminated fragment, not consumed).
     End,
@@ -132,6 +142,16 @@ impl LogReader {
             pos,
             open: None,
             owner,
+            spare: Vec::new(),
+        }
+    }
+
+    /// Gives back the line of a record read earlier, once done with it: the
+    /// next reads fill it again instead of allocating (up to a bound).
+    pub fn recycle(&mut self, mut line: Vec<u8>) {
+        if self.spare.len() < SPARE_LINES && line.capacity() <= SPARE_LINE_CAPACITY {
+            line.clear();
+            self.spare.push(line);
         }
     }
 
@@ -190,7 +210,8 @@ impl LogReader {
             }
             let open = self.open.as_mut().expect("opened above");
             let start = open.start;
-            let line = match read_line(&mut open.reader) {
+            let mut buf = self.spare.pop().unwrap_or_default();
+            let line = match read_line(&mut open.reader, &mut buf) {
                 Ok(line) => line,
                 // Closed by the pool and deleted since: list again.
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -203,21 +224,25 @@ impl LogReader {
                 }
             };
             match line {
-                Line::Complete(line) => {
+                Line::Complete => {
                     let offset = self.pos;
                     let item = Item::Record {
                         offset,
                         segment: start,
-                        line,
+                        line: buf,
                     };
                     if item.next_offset() > limit {
                         self.open = None;
+                        if let Item::Record { line, .. } = item {
+                            self.recycle(line);
+                        }
                         return Ok(None);
                     }
                     self.pos = item.next_offset();
                     return Ok(Some(item));
                 }
                 Line::Oversize(len) => {
+                    self.recycle(buf);
                     let item = Item::Oversize {
                         offset: self.pos,
                         segment: start,
@@ -236,6 +261,7 @@ impl LogReader {
                     return Ok(Some(item));
                 }
                 Line::End => {
+                    self.recycle(buf);
                     // Re-open next time so the unread tail is read afresh.
                     self.open = None;
                     let segs = segment::list_segments(&self.dir)?;
@@ -269,10 +295,10 @@ impl LogReader {
     }
 }
 
-/// Reads one `\n`-terminated line. An unterminated fragment at end of file
-/// is left unconsumed as far as the caller is concerned (it re-seeks).
-fn read_line(r: &mut impl BufRead) -> io::Result<Line> {
-    let mut line = Vec::new();
+/// Reads one `\n`-terminated line into `line` (empty on entry). An
+/// unterminated fragment at end of file is left unconsumed as far as the
+/// caller is concerned (it re-seeks).
+fn read_line(r: &mut impl BufRead, line: &mut Vec<u8>) -> io::Result<Line> {
     let mut skipped: u64 = 0;
     let mut oversize = false;
     loop {
@@ -289,7 +315,7 @@ fn read_line(r: &mut impl BufRead) -> io::Result<Line> {
                 }
                 line.extend_from_slice(&buf[..i]);
                 r.consume(i + 1);
-                return Ok(Line::Complete(line));
+                return Ok(Line::Complete);
             }
             None => {
                 let n = buf.len();
@@ -303,5 +329,46 @@ fn read_line(r: &mut impl BufRead) -> io::Result<Line> {
                 r.consume(n);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lines read into recycled buffers are exactly the file's, whatever the
+    /// buffers held before; oversized buffers are not kept.
+    #[test]
+    fn recycled_buffers_read_back_exact_lines() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let lines: Vec<Vec<u8>> = (0..40)
+            .map(|i| vec![b'a' + (i % 26) as u8; 1 + (i * 37) % 300])
+            .collect();
+        let mut file = Vec::new();
+        for l in &lines {
+            file.extend_from_slice(l);
+            file.push(b'\n');
+        }
+        file.extend_from_slice(b"unterminated tail");
+        std::fs::write(segment::segment_path(dir.path(), 0), &file).expect("write segment");
+
+        let mut reader = LogReader::new(dir.path(), 0);
+        let mut read = Vec::new();
+        while let Some(item) = reader.next_item(u64::MAX).expect("read") {
+            let Item::Record { line, .. } = item else {
+                panic!("only records here");
+            };
+            read.push(line.clone());
+            // A longer buffer full of other bytes, and the line itself.
+            reader.recycle(vec![b'#'; 512]);
+            reader.recycle(line);
+        }
+        assert_eq!(read, lines);
+        assert!(reader.spare.len() <= SPARE_LINES);
+        assert!(reader.spare.iter().all(Vec::is_empty));
+
+        let before = reader.spare.len();
+        reader.recycle(Vec::with_capacity(SPARE_LINE_CAPACITY + 1));
+        assert_eq!(reader.spare.len(), before, "a large buffer is freed");
     }
 }

@@ -159,6 +159,15 @@ impl Source {
         self.ahead.push_front(f);
     }
 
+    /// Gives back the lines of delivered records, for the reader to fill
+    /// again (see [`LogReader::recycle`]): with a read-ahead thread, lines
+    /// would otherwise be allocated on one thread and freed on another.
+    pub(super) fn recycle(&mut self, batch: &mut Vec<Delivery>) {
+        for d in batch.drain(..) {
+            self.reader.recycle(d.into_line());
+        }
+    }
+
     /// Moves to global offset `pos`, dropping what was read ahead.
     pub(super) fn seek(&mut self, pos: u64) {
         self.ahead.clear();
