@@ -357,6 +357,33 @@ fn futex_ring(hops: u64) -> Duration {
     started.elapsed()
 }
 
+/// The seen-id window every local publish (once federating) and every
+/// received record goes through: a full window of 100,000 ids, then fresh
+/// UUIDv7 ids claimed and settled (a hub's receive), or inserted (a publish).
+fn dedup(c: &mut Criterion) {
+    use keyop_core::dedup::SeenIds;
+    const WINDOW: usize = 100_000;
+    let ids: Vec<String> = (0..WINDOW * 4).map(|_| new_id()).collect();
+    let mut g = c.benchmark_group("dedup");
+    g.throughput(Throughput::Elements(1));
+    let seen = SeenIds::new(WINDOW);
+    for id in &ids[..WINDOW] {
+        seen.insert(id);
+    }
+    let mut next = ids.iter().cycle();
+    g.bench_function("insert", |b| {
+        b.iter(|| seen.insert(next.next().expect("endless")))
+    });
+    g.bench_function("claim_settle", |b| {
+        b.iter(|| {
+            let id = next.next().expect("endless");
+            black_box(seen.claim(id));
+            seen.settle(id, true);
+        })
+    });
+    g.finish();
+}
+
 fn config() -> Criterion {
     // Shorter than criterion's defaults (3 s + 5 s) to keep the suite to a
     // couple of minutes; --warm-up-time and --measurement-time override.
@@ -368,6 +395,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = envelope, append, reader, time_seek, wire, probe
+    targets = envelope, append, reader, time_seek, wire, probe, dedup
 }
 criterion_main!(benches);
