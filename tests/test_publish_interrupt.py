@@ -234,6 +234,59 @@ def test_asyncio_publishes_complete_per_commit(tmp_path: Path) -> None:
     assert 0 < len(calls) < len(ids) / 2, len(calls)
 
 
+def test_asyncio_tasks_ready_together_share_one_commit(tmp_path: Path) -> None:
+    rounds = 10
+    channels = ("c", "b")  # 8 tasks on each
+
+    async def main() -> tuple[list[str], list[dict[str, int]], list[dict[str, int]]]:
+        async with km.AsyncMessenger(config(tmp_path / "d")) as am:
+            for ch in channels:
+                await am.publish(ch, "t", {"warm": True})
+            engine = am._require()._engine  # type: ignore[attr-defined]
+            before = [engine._counters(ch) for ch in channels]
+
+            async def task(k: int) -> list[str]:
+                ch = channels[k % 2]
+                return [await am.publish(ch, "t", {"k": k, "i": i}) for i in range(rounds)]
+
+            results = await asyncio.gather(*(task(k) for k in range(16)))
+            after = [engine._counters(ch) for ch in channels]
+            return [i for r in results for i in r], before, after
+
+    ids, before, after = asyncio.run(main())
+    assert len(set(ids)) == 16 * rounds
+    got = [e.message.id for ch in channels for e in list(read_channel(tmp_path / "d", ch))[1:]]
+    assert sorted(got) == sorted(ids)
+    # The 16 tasks one commit wakes publish in one pass of the loop; their
+    # commits start after it, so each round is one batch per channel
+    # (without the hold the first task's message goes alone: about two
+    # batches a round). A pause of the loop past the hold limit (50 ms) may
+    # split one.
+    for b, a in zip(before, after, strict=True):
+        batches = a["batches"] - b["batches"]
+        assert rounds <= batches <= rounds + 2, (batches, a)
+
+
+def test_a_held_publish_commits_without_its_loop(tmp_path: Path) -> None:
+    with km.Messenger(config(tmp_path / "d")) as m:
+        loop = asyncio.new_event_loop()
+        try:
+            completer = km._core.Completer(loop)
+            future = completer.publish(m, "c", "t", {"held": True})
+            # The loop never runs again: neither the release nor the future's
+            # completion happen, yet the message is committed within the limit.
+            deadline = time.monotonic() + 15
+            while not [e for e in read_channel(tmp_path / "d", "c")]:
+                assert time.monotonic() < deadline, "a held message was never committed"
+                time.sleep(0.01)
+            # Once the loop runs again, the future completes with the id.
+            msg_id = loop.run_until_complete(asyncio.wait_for(future, 15))
+            assert [e.message.id for e in read_channel(tmp_path / "d", "c")] == [msg_id]
+            completer.close()
+        finally:
+            loop.close()
+
+
 def test_asyncio_close_completes_every_awaited_publish(tmp_path: Path) -> None:
     async def main() -> list[str]:
         am = km.AsyncMessenger(config(tmp_path / "d"))

@@ -1,5 +1,6 @@
 """Type stubs of the compiled engine module (kept in step with rust/python/src/lib.rs)."""
 
+import asyncio
 import datetime
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
@@ -197,7 +198,16 @@ class Receipt:
 @final
 class Completer:
     def __new__(cls, event_loop: Any) -> Completer: ...
-    def watch(self, receipt: Receipt) -> Any: ...
+    def publish(
+        self,
+        messenger: MessengerBase,
+        channel: str,
+        payload_type: str,
+        payload: Any,
+        service_name: str | None = None,
+        correlation_id: str | None = None,
+    ) -> asyncio.Future[str]: ...
+    def _release(self) -> None: ...
     def _drain(self) -> None: ...
     def close(self) -> None: ...
 

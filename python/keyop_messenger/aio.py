@@ -424,20 +424,13 @@ class _AsyncBase(_AsyncContext, Generic[S]):
                 service_name=service_name,
                 correlation_id=correlation_id,
             )
-        receipt = sync.publish(
-            channel,
-            payload_type,
-            payload,
-            service_name=service_name,
-            correlation_id=correlation_id,
-            wait=False,
-        )
         loop = asyncio.get_running_loop()
         completer = self._completer
-        if completer is not None and completer[0] is loop:
-            future: asyncio.Future[str] = completer[1].watch(receipt)
-        else:
-            future = self._completer_of(loop).watch(receipt)
+        if completer is None or completer[0] is not loop:
+            completer = (loop, self._completer_of(loop))
+        future: asyncio.Future[str] = completer[1].publish(
+            sync, channel, payload_type, payload, service_name, correlation_id
+        )
         return await future
 
     async def publish_batch(

@@ -23,7 +23,7 @@ use crate::storage::compaction::{self, CompactionReport, RetentionConfig};
 use crate::storage::offsets::{offset_path, read_offset, subscribers_dir};
 use crate::storage::timeindex::{self, PositionError, SeekCost, StartPosition};
 use crate::storage::{
-    Appended, ChannelWriter, LogReader, StorageError, Store, StoreConfig, Ticket,
+    AfterBatch, Appended, ChannelWriter, LogReader, StorageError, Store, StoreConfig, Ticket,
 };
 use crate::subscribe::{Handler, Stop, SubscribeOptions, Subscriber, Wiring};
 use crate::Error;
@@ -72,6 +72,17 @@ impl Submitted {
         self.ticket.is_done()
     }
 
+    /// Starts the commit of a message from [`Engine::submit_held`], and of
+    /// every message held on its channel; harmless for any other.
+    pub fn release(&self) {
+        self.ticket.release();
+    }
+
+    /// The channel the message was submitted to.
+    pub fn channel(&self) -> &str {
+        self.ticket.channel()
+    }
+
     /// Waits at most `timeout`; `None` if the outcome is not known by then.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<Published, Error>> {
         self.ticket.wait_timeout(timeout).map(|r| self.published(r))
@@ -85,8 +96,26 @@ impl Submitted {
     /// Calls `callback` with the outcome, on the thread that commits the
     /// batch (or at once if it is known).
     pub fn on_done(&self, callback: impl FnOnce(Result<Published, Error>) + Send + 'static) {
+        self.ticket.on_done(self.outcome_to(callback));
+    }
+
+    /// [`Submitted::on_done`], then `after` once per batch, when all the
+    /// batch's callbacks have run (see [`Ticket::on_done_then`]).
+    pub fn on_done_then(
+        &self,
+        callback: impl FnOnce(Result<Published, Error>) + Send + 'static,
+        after: &AfterBatch,
+    ) {
+        self.ticket.on_done_then(self.outcome_to(callback), after);
+    }
+
+    /// `callback`, taking a commit's outcome as this message's.
+    fn outcome_to(
+        &self,
+        callback: impl FnOnce(Result<Published, Error>) + Send + 'static,
+    ) -> impl FnOnce(Result<Appended, StorageError>) + Send + 'static {
         let id = self.id.clone();
-        self.ticket.on_done(move |r| {
+        move |r| {
             callback(
                 r.map(|at| Published {
                     id,
@@ -94,7 +123,7 @@ impl Submitted {
                 })
                 .map_err(Error::from),
             )
-        });
+        }
     }
 }
 
@@ -480,10 +509,26 @@ impl Engine {
     /// from one thread are committed in the order submitted, and share
     /// batches (and fdatasyncs) with each other and with [`Engine::publish`].
     pub fn submit(&self, channel: &str, m: &Outgoing<'_>) -> Result<Submitted, Error> {
+        self.submit_as(channel, m, false)
+    }
+
+    /// [`Engine::submit`], leaving the start of the commit to
+    /// [`Submitted::release`] (see [`ChannelWriter::submit_held`]): an event
+    /// loop hands over the messages of all the tasks it runs in one pass,
+    /// then releases them, so they share one batch.
+    pub fn submit_held(&self, channel: &str, m: &Outgoing<'_>) -> Result<Submitted, Error> {
+        self.submit_as(channel, m, true)
+    }
+
+    fn submit_as(&self, channel: &str, m: &Outgoing<'_>, held: bool) -> Result<Submitted, Error> {
         let writer = self.publish_writer(channel)?;
         let mut line = Vec::with_capacity(200 + m.payload_json.len());
         let id = self.encode(&mut line, channel, m)?;
-        let ticket = writer.submit(&line, 1)?;
+        let ticket = if held {
+            writer.submit_held(&line, 1)?
+        } else {
+            writer.submit(&line, 1)?
+        };
         self.on_commit(&ticket, vec![id.clone()]);
         Ok(Submitted { id, ticket })
     }

@@ -207,11 +207,29 @@ fn opt_str<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a str>> {
     }
 }
 
+/// How `publish` hands a message to the engine.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Handover {
+    /// Returns once committed (`wait=True`).
+    Commit,
+    /// Returns a receipt at once (`wait=False`).
+    Receipt,
+    /// As `Receipt`, but the commit starts on `Submitted::release` (the
+    /// asyncio completer releases once per pass of its event loop).
+    Held,
+}
+
+/// What `send` gives back: the committed id, or the submitted message.
+enum Sent<'py> {
+    Id(Bound<'py, PyAny>),
+    Submitted(keyop_core::Submitted),
+}
+
 impl MessengerBase {
     /// `publish` once the context is resolved and the registry consulted:
-    /// encodes, then commits with the GIL released, and returns the id (or,
-    /// with `wait` false, a `Receipt` at once). Text that is not valid
-    /// Unicode fails with `UnicodeEncodeError`.
+    /// encodes, then commits with the GIL released, and returns the id (or
+    /// the submitted message at once, see [`Handover`]). Text that is not
+    /// valid Unicode fails with `UnicodeEncodeError`.
     ///
     /// A durable publish from Python's main thread is handed to the channel's
     /// committer thread and waited for in slices, so Ctrl-C is honoured even
@@ -222,8 +240,8 @@ impl MessengerBase {
         path: &PublishPath,
         texts: [&Bound<'py, PyAny>; 4],
         payload: &Bound<'py, PyAny>,
-        wait: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
+        handover: Handover,
+    ) -> PyResult<Sent<'py>> {
         let [channel, payload_type, service_name, correlation_id] = texts;
         let channel = channel.cast::<PyString>()?.to_str()?;
         let json = encode_payload(payload, Some(path.default.bind(py)))?;
@@ -233,16 +251,24 @@ impl MessengerBase {
             service_name: opt_str(service_name)?,
             correlation_id: opt_str(correlation_id)?,
         };
-        if !wait {
-            let sub = py.detach(|| path.engine.submit(channel, &msg)).py_err(py)?;
-            let receipt = receipt::Receipt { sub: Arc::new(sub) };
-            return Ok(Bound::new(py, receipt)?.into_any());
+        match handover {
+            Handover::Receipt => {
+                let sub = py.detach(|| path.engine.submit(channel, &msg)).py_err(py)?;
+                return Ok(Sent::Submitted(sub));
+            }
+            Handover::Held => {
+                let sub = py
+                    .detach(|| path.engine.submit_held(channel, &msg))
+                    .py_err(py)?;
+                return Ok(Sent::Submitted(sub));
+            }
+            Handover::Commit => {}
         }
         if path.engine.durable() && receipt::on_main_thread(py)? {
             let sub = py.detach(|| path.engine.submit(channel, &msg)).py_err(py)?;
             let published = receipt::wait_interruptibly(py, &sub, None)?
                 .expect("no limit: waits until the outcome is known");
-            return Ok(PyString::new(py, &published.id).into_any());
+            return Ok(Sent::Id(PyString::new(py, &published.id).into_any()));
         }
         // Relaxed mode: a write that needs no wait is done holding the GIL,
         // rather than letting it go and contending for it back (which, with
@@ -251,7 +277,69 @@ impl MessengerBase {
             .engine
             .publish_via(channel, &msg, |append| py.detach(append))
             .py_err(py)?;
-        Ok(PyString::new(py, &published.id).into_any())
+        Ok(Sent::Id(PyString::new(py, &published.id).into_any()))
+    }
+
+    /// `publish`'s body: the registry check, the context, then [`Self::send`].
+    #[allow(clippy::too_many_arguments)]
+    fn publish_as<'py>(
+        &self,
+        py: Python<'py>,
+        channel: &Bound<'py, PyAny>,
+        payload_type: &Bound<'py, PyAny>,
+        payload: &Bound<'py, PyAny>,
+        service_name: Option<&Bound<'py, PyAny>>,
+        correlation_id: Option<&Bound<'py, PyAny>>,
+        handover: Handover,
+    ) -> PyResult<Sent<'py>> {
+        let Some(path) = self.path.get() else {
+            return Err(new_err(
+                py,
+                Kind::Closed,
+                "this messenger was not set up (Messenger.__init__ did not finish)".into(),
+            ));
+        };
+        let registry = path.registry.bind(py);
+        if !registry.is_empty() && registry.contains(payload_type)? {
+            path.check.call1(py, (payload_type, payload))?;
+        }
+        // None (or left out) means: from the enclosing context() block.
+        let given = |t: Option<&Bound<'py, PyAny>>| t.filter(|t| !t.is_none()).cloned();
+        let (mut service_name, mut correlation_id) = (given(service_name), given(correlation_id));
+        if service_name.is_none() || correlation_id.is_none() {
+            let ctx = path.context_get.bind(py).call0()?;
+            let ctx = ctx.cast::<PyTuple>()?;
+            if service_name.is_none() {
+                service_name = Some(ctx.get_item(0)?);
+            }
+            if correlation_id.is_none() {
+                correlation_id = Some(ctx.get_item(1)?);
+            }
+        }
+        let none = py.None().into_bound(py);
+        let texts = [
+            channel,
+            payload_type,
+            service_name.as_ref().unwrap_or(&none),
+            correlation_id.as_ref().unwrap_or(&none),
+        ];
+        match Self::send(py, path, texts, payload, handover) {
+            Err(e) if e.is_instance_of::<PyUnicodeEncodeError>(py) => {
+                let named = PyDict::new(py);
+                for (key, text) in ["channel", "payload_type", "service_name", "correlation_id"]
+                    .into_iter()
+                    .zip(texts)
+                {
+                    named.set_item(key, text)?;
+                }
+                let mapped = path
+                    .unicode_error
+                    .bind(py)
+                    .call((e.value(py),), Some(&named))?;
+                Err(PyErr::from_value(mapped))
+            }
+            r => r,
+        }
     }
 }
 
@@ -312,53 +400,26 @@ impl MessengerBase {
         correlation_id: Option<&Bound<'py, PyAny>>,
         wait: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let Some(path) = self.path.get() else {
-            return Err(new_err(
-                py,
-                Kind::Closed,
-                "this messenger was not set up (Messenger.__init__ did not finish)".into(),
-            ));
+        let handover = if wait {
+            Handover::Commit
+        } else {
+            Handover::Receipt
         };
-        let registry = path.registry.bind(py);
-        if !registry.is_empty() && registry.contains(payload_type)? {
-            path.check.call1(py, (payload_type, payload))?;
-        }
-        // None (or left out) means: from the enclosing context() block.
-        let given = |t: Option<&Bound<'py, PyAny>>| t.filter(|t| !t.is_none()).cloned();
-        let (mut service_name, mut correlation_id) = (given(service_name), given(correlation_id));
-        if service_name.is_none() || correlation_id.is_none() {
-            let ctx = path.context_get.bind(py).call0()?;
-            let ctx = ctx.cast::<PyTuple>()?;
-            if service_name.is_none() {
-                service_name = Some(ctx.get_item(0)?);
-            }
-            if correlation_id.is_none() {
-                correlation_id = Some(ctx.get_item(1)?);
-            }
-        }
-        let none = py.None().into_bound(py);
-        let texts = [
+        let sent = self.publish_as(
+            py,
             channel,
             payload_type,
-            service_name.as_ref().unwrap_or(&none),
-            correlation_id.as_ref().unwrap_or(&none),
-        ];
-        match Self::send(py, path, texts, payload, wait) {
-            Err(e) if e.is_instance_of::<PyUnicodeEncodeError>(py) => {
-                let named = PyDict::new(py);
-                for (key, text) in ["channel", "payload_type", "service_name", "correlation_id"]
-                    .into_iter()
-                    .zip(texts)
-                {
-                    named.set_item(key, text)?;
-                }
-                let mapped = path
-                    .unicode_error
-                    .bind(py)
-                    .call((e.value(py),), Some(&named))?;
-                Err(PyErr::from_value(mapped))
+            payload,
+            service_name,
+            correlation_id,
+            handover,
+        )?;
+        match sent {
+            Sent::Id(id) => Ok(id),
+            Sent::Submitted(sub) => {
+                let receipt = receipt::Receipt { sub: Arc::new(sub) };
+                Ok(Bound::new(py, receipt)?.into_any())
             }
-            r => r,
         }
     }
 }

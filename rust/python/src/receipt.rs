@@ -4,13 +4,14 @@
 //! The blocking `publish` of Python's main thread also goes through a
 //! receipt, waiting in slices so Ctrl-C is honoured while a commit is slow.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use keyop_core::storage::AfterBatch;
 use keyop_core::{Error, Published, Submitted};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -127,23 +128,85 @@ impl Receipt {
     }
 }
 
+/// A future and the outcome it is to be completed with.
+type Outcome = (Py<PyAny>, Result<String, Error>);
+
 /// Outcomes waiting for the event loop, and whether the loop was woken for
-/// them.
-type Queue = Mutex<(Vec<(Py<PyAny>, Result<String, Error>)>, bool)>;
+/// them (it has yet to drain).
+type Queue = Mutex<(Vec<Outcome>, bool)>;
+
+thread_local! {
+    /// Outcomes of the batch this (committing) thread is finishing, each
+    /// with its completer's queue ([`queue_key`]). A batch's callbacks and
+    /// then its after-callbacks run on one thread, one after another: the
+    /// after-callback moves its completer's outcomes into the queue at once,
+    /// so the loop never drains part of a batch (whose tasks would then
+    /// publish in two passes and split the next batch). Dropping a future
+    /// here (no GIL) defers its decref.
+    static STAGED: RefCell<Vec<(usize, Outcome)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Which completer's queue a staged outcome belongs to (its address).
+fn queue_key(queue: &Arc<Queue>) -> usize {
+    Arc::as_ptr(queue) as usize
+}
 
 /// Completes asyncio futures of receipts on their event loop. The thread that
 /// commits a batch never takes the GIL for it: it queues the outcomes and
 /// writes one byte to a socket the loop watches (``loop.add_reader``), so
 /// every outcome of one commit is handed over with one wake-up, and a busy
 /// loop never holds up the next commit.
+///
+/// Its own `publish` holds each message's commit back until the loop has run
+/// the tasks that were ready with it (a `call_soon` callback, queued behind
+/// them): the tasks one commit wakes publish again in one pass of the loop,
+/// and their messages then share one batch instead of the first going to
+/// the disk alone and the rest waiting for the next fdatasync.
 #[pyclass(module = "keyop_messenger._core", name = "Completer", frozen)]
 pub struct Completer {
     event_loop: Py<PyAny>,
     queue: Arc<Queue>,
     /// The loop reads this end (registered with `add_reader`).
     wake_rx: UnixStream,
-    /// Committing threads write a byte here.
-    wake_tx: Arc<UnixStream>,
+    /// Run by a committing thread once a batch's outcomes are queued: wakes
+    /// the loop (a byte on the socket) unless it is already due to drain.
+    wake: AfterBatch,
+    /// Messages of this pass of the loop whose commit is held back; a
+    /// `_release` callback is queued while this is not empty.
+    held: Mutex<Vec<Submitted>>,
+}
+
+impl Completer {
+    /// A future of this completer's loop that completes with `sub`'s outcome.
+    fn future_of(&self, py: Python<'_>, sub: &Submitted) -> PyResult<Py<PyAny>> {
+        let future = self
+            .event_loop
+            .bind(py)
+            .call_method0(intern!(py, "create_future"))?
+            .unbind();
+        let fut = future.clone_ref(py);
+        let key = queue_key(&self.queue);
+        sub.on_done_then(
+            move |r| STAGED.with(|s| s.borrow_mut().push((key, (fut, r.map(|p| p.id))))),
+            &self.wake,
+        );
+        Ok(future)
+    }
+
+    /// Starts the commits held back so far: one release per channel, as a
+    /// release starts every held message of its channel. The last message
+    /// of each is the one released: a channel commits in order, so if that
+    /// one is done, so are the others.
+    fn release_held(&self) {
+        let held = std::mem::take(&mut *self.held.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut released: Vec<&str> = Vec::new();
+        for sub in held.iter().rev() {
+            if !released.contains(&sub.channel()) {
+                sub.release();
+                released.push(sub.channel());
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -155,13 +218,35 @@ impl Completer {
         wake_rx.set_nonblocking(true)?;
         wake_tx.set_nonblocking(true)?;
         let fd = wake_rx.as_raw_fd();
+        let queue = Arc::<Queue>::default();
+        let woken = queue.clone();
+        let wake: AfterBatch = Arc::new(move || {
+            let key = queue_key(&woken);
+            let mine: Vec<Outcome> = STAGED.with(|s| {
+                let mut staged = s.borrow_mut();
+                let (mine, rest): (Vec<_>, Vec<_>) = staged.drain(..).partition(|o| o.0 == key);
+                staged.extend(rest);
+                mine.into_iter().map(|(_, outcome)| outcome).collect()
+            });
+            let due = {
+                let mut q = woken.lock().unwrap_or_else(|e| e.into_inner());
+                q.0.extend(mine);
+                !q.0.is_empty() && !std::mem::replace(&mut q.1, true)
+            };
+            // One byte per wake-up; a full socket means the loop is already
+            // due to drain.
+            if due {
+                let _ = (&wake_tx).write(&[1]);
+            }
+        });
         let this = Py::new(
             py,
             Completer {
                 event_loop,
-                queue: Arc::default(),
+                queue,
                 wake_rx,
-                wake_tx: Arc::new(wake_tx),
+                wake,
+                held: Mutex::default(),
             },
         )?;
         let drain = this.bind(py).getattr(intern!(py, "_drain"))?;
@@ -172,30 +257,61 @@ impl Completer {
         Ok(this)
     }
 
-    /// A future of this completer's loop that completes with the receipt's
-    /// message id, or with its error. Call from the loop's thread.
-    fn watch(&self, py: Python<'_>, receipt: &Receipt) -> PyResult<Py<PyAny>> {
-        let future = self
-            .event_loop
-            .bind(py)
-            .call_method0(intern!(py, "create_future"))?
-            .unbind();
-        let fut = future.clone_ref(py);
-        let queue = self.queue.clone();
-        let wake = self.wake_tx.clone();
-        receipt.sub.on_done(move |r| {
-            let first = {
-                let mut q = queue.lock().unwrap_or_else(|e| e.into_inner());
-                q.0.push((fut, r.map(|p| p.id)));
-                !std::mem::replace(&mut q.1, true)
-            };
-            // One byte per wake-up; a full socket means the loop is already
-            // due to drain. Dropping `fut` here (no GIL) defers its decref.
-            if first {
-                let _ = (&*wake).write(&[1]);
+    /// `messenger.publish(...)` for a task of this completer's loop: a
+    /// future that completes with the message id once committed, or with
+    /// the error `publish` would have raised. The message is handed to the
+    /// engine now; its commit starts once the loop has run the tasks ready
+    /// before this callback (see the type's notes). Call from the loop's
+    /// thread.
+    #[pyo3(signature = (messenger, channel, payload_type, payload, service_name = None, correlation_id = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn publish<'py>(
+        slf: &Bound<'py, Self>,
+        messenger: &Bound<'py, crate::MessengerBase>,
+        channel: &Bound<'py, PyAny>,
+        payload_type: &Bound<'py, PyAny>,
+        payload: &Bound<'py, PyAny>,
+        service_name: Option<&Bound<'py, PyAny>>,
+        correlation_id: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let sent = messenger.get().publish_as(
+            py,
+            channel,
+            payload_type,
+            payload,
+            service_name,
+            correlation_id,
+            crate::Handover::Held,
+        )?;
+        let crate::Sent::Submitted(sub) = sent else {
+            unreachable!("a held hand-over gives the submitted message")
+        };
+        let this = slf.get();
+        let future = this.future_of(py, &sub);
+        let first = {
+            let mut held = this.held.lock().unwrap_or_else(|e| e.into_inner());
+            held.push(sub);
+            held.len() == 1
+        };
+        if first {
+            let scheduled = slf.getattr(intern!(py, "_release")).and_then(|release| {
+                this.event_loop
+                    .bind(py)
+                    .call_method1(intern!(py, "call_soon"), (release,))
+            });
+            if let Err(e) = scheduled {
+                // A closed loop: commit now rather than hold.
+                this.release_held();
+                return Err(e);
             }
-        });
-        Ok(future)
+        }
+        future
+    }
+
+    /// Runs on the loop (queued by `publish`): starts the held commits.
+    fn _release(&self) {
+        self.release_held();
     }
 
     /// Runs on the loop when woken: completes every future whose outcome
@@ -210,13 +326,16 @@ impl Completer {
         };
         for (future, outcome) in ready {
             let future = future.bind(py);
-            if future.call_method0(intern!(py, "done"))?.is_truthy()? {
-                continue; // cancelled by its awaiter
-            }
-            match outcome.py_err(py) {
-                Ok(id) => future.call_method1(intern!(py, "set_result"), (id,))?,
-                Err(e) => future.call_method1(intern!(py, "set_exception"), (e.value(py),))?,
+            let set = match outcome.py_err(py) {
+                Ok(id) => future.call_method1(intern!(py, "set_result"), (id,)),
+                Err(e) => future.call_method1(intern!(py, "set_exception"), (e.value(py),)),
             };
+            // Refused only by a future already done: cancelled by its awaiter.
+            if let Err(e) = set {
+                if !future.call_method0(intern!(py, "done"))?.is_truthy()? {
+                    return Err(e);
+                }
+            }
         }
         Ok(())
     }
@@ -225,6 +344,7 @@ impl Completer {
     /// (removes the loop's reader); outcomes arriving later are dropped with
     /// their futures. Idempotent; a closed loop is fine.
     fn close(&self, py: Python<'_>) {
+        self.release_held();
         if let Err(e) = self._drain(py) {
             log::warn!("completing publish futures at close: {e}");
         }

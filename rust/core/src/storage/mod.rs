@@ -22,7 +22,8 @@ use std::time::Duration;
 
 pub use reader::{Item, LogReader};
 pub use writer::{
-    Appended, ChannelWriter, CommitNotifier, CounterSnapshot, FaultPoint, Ticket, WriterConfig,
+    AfterBatch, Appended, ChannelWriter, CommitNotifier, CounterSnapshot, FaultPoint, Ticket,
+    WriterConfig,
 };
 
 use crate::envelope::{validate_name, NameError, NameKind};

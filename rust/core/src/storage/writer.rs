@@ -121,6 +121,20 @@ impl Outcome {
 /// Called once with the result of a submitted append (see [`Ticket::on_done`]).
 type Callback = Box<dyn FnOnce(Result<Appended, StorageError>) + Send>;
 
+/// Called once per batch, after the batch's callbacks (see
+/// [`Ticket::on_done_then`]).
+pub type AfterBatch = Arc<dyn Fn() + Send + Sync>;
+
+/// Completion callbacks of one batch's submitted appends.
+#[derive(Default)]
+struct Callbacks {
+    /// `(pos, len, callback)` of each append.
+    each: Vec<(usize, usize, Callback)>,
+    /// Run after all of `each`, each one once however many appends it was
+    /// registered with.
+    after: Vec<AfterBatch>,
+}
+
 /// [`Slot::state`]: the batch is queued or in flight, nobody sleeps yet.
 const PENDING: u32 = 0;
 /// Queued or in flight, and callers may sleep on the word.
@@ -135,8 +149,8 @@ const DONE: u32 = 3;
 struct Slot {
     outcome: OnceLock<Outcome>,
     state: AtomicU32,
-    /// Completion callbacks of submitted appends: `(pos, len, callback)`.
-    callbacks: Mutex<Vec<(usize, usize, Callback)>>,
+    /// Completion callbacks of submitted appends.
+    callbacks: Mutex<Callbacks>,
     has_callbacks: AtomicBool,
 }
 
@@ -157,8 +171,11 @@ impl Slot {
                 std::mem::take(&mut *self.callbacks.lock().unwrap_or_else(|e| e.into_inner()));
             self.has_callbacks.store(false, Ordering::Release);
             let o = self.outcome.get().expect("set above");
-            for (pos, len, callback) in callbacks {
+            for (pos, len, callback) in callbacks.each {
                 callback(o.result(pos, len));
+            }
+            for after in callbacks.after {
+                after();
             }
         }
     }
@@ -209,6 +226,12 @@ struct State {
     /// `pending` holds submitted appends (see [`ChannelWriter::submit`]),
     /// which only the committer thread may be counted on to lead.
     submitted: bool,
+    /// `pending` holds appends submitted held, not yet released (see
+    /// [`ChannelWriter::submit_held`]): since when. The committer thread
+    /// commits them unasked once they have waited `held_max`.
+    held_since: Option<Instant>,
+    /// `submit::HELD_MAX`, shorter or longer in tests.
+    held_max: Duration,
     /// The committer thread is running.
     committer: bool,
     active: Option<Active>,
@@ -353,6 +376,8 @@ impl ChannelWriter {
                 closed: false,
                 waiters: 0,
                 submitted: false,
+                held_since: None,
+                held_max: submit::HELD_MAX,
                 committer: false,
                 sync_file: Some(active.file.clone()),
                 active: Some(active),
@@ -656,6 +681,7 @@ impl ChannelWriter {
         let next = Self::fresh_slot(&mut st);
         let slot = std::mem::replace(&mut st.slot, next);
         st.submitted = false;
+        st.held_since = None;
         let Some(mut active) = st.active.take() else {
             // Closed: the segment file is released; nothing is written.
             st.flushing = false;

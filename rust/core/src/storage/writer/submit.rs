@@ -6,7 +6,10 @@
 //! - pipelining: one thread submits many records and waits for the last
 //!   tickets, so its records share fdatasyncs instead of paying one each;
 //! - asyncio: a commit completes the futures of all its records in one step
-//!   ([`Ticket::on_done`] runs on the committer thread);
+//!   ([`Ticket::on_done_then`] runs on the committer thread), and the tasks
+//!   an event loop runs in one pass submit held
+//!   ([`ChannelWriter::submit_held`]), released once after the pass, so
+//!   their records share one batch;
 //! - a caller that must stay interruptible (Python's main thread, where
 //!   Ctrl-C is delivered): it never sits in `fdatasync` itself, and waits in
 //!   bounded slices ([`Ticket::wait_timeout`]).
@@ -20,10 +23,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Appended, ChannelWriter, Slot, StorageError, DONE, LEAD, PENDING, SLEEPING};
+use super::{
+    AfterBatch, Appended, ChannelWriter, Slot, StorageError, DONE, LEAD, PENDING, SLEEPING,
+};
 
 /// The committer thread ends after this long without a submitted append.
 const COMMITTER_IDLE: Duration = Duration::from_secs(5);
+
+/// Held appends not released after this long are committed anyway.
+pub(super) const HELD_MAX: Duration = Duration::from_millis(50);
 
 /// A submitted append: where it stands, and a way to wait for its outcome.
 pub struct Ticket {
@@ -31,6 +39,8 @@ pub struct Ticket {
     slot: Arc<Slot>,
     pos: usize,
     len: usize,
+    /// Submitted with [`ChannelWriter::submit_held`].
+    held: bool,
 }
 
 impl ChannelWriter {
@@ -42,13 +52,43 @@ impl ChannelWriter {
         records: impl Into<Cow<'a, [u8]>>,
         count: u64,
     ) -> Result<Ticket, StorageError> {
-        let records = records.into();
+        self.submit_as(records.into(), count, false)
+    }
+
+    /// [`ChannelWriter::submit`], but the committer thread is not woken for
+    /// these records: [`Ticket::release`] wakes it. For a caller that submits
+    /// several records in a row on behalf of others (an event loop running
+    /// its ready tasks, each publishing one message): released once after
+    /// the last, they share one batch instead of the first going alone.
+    ///
+    /// Held records are never stranded: they go with the next batch any
+    /// other append starts, `close` commits them, waiting on the ticket
+    /// releases them, and the committer thread commits them unasked once
+    /// they have waited `HELD_MAX` (50 ms).
+    pub fn submit_held<'a>(
+        self: &Arc<Self>,
+        records: impl Into<Cow<'a, [u8]>>,
+        count: u64,
+    ) -> Result<Ticket, StorageError> {
+        self.submit_as(records.into(), count, true)
+    }
+
+    fn submit_as(
+        self: &Arc<Self>,
+        records: Cow<'_, [u8]>,
+        count: u64,
+        held: bool,
+    ) -> Result<Ticket, StorageError> {
         let len = records.len();
         let (mut st, pos, slot) = self.enqueue(records, count)?;
-        st.submitted = true;
+        if !held {
+            st.submitted = true;
+        } else if st.held_since.is_none() {
+            st.held_since = Some(Instant::now());
+        }
         if !st.committer {
             self.start_committer(&mut st)?;
-        } else if !st.flushing {
+        } else if !held && !st.flushing {
             self.kick.notify_one();
         }
         drop(st);
@@ -57,7 +97,21 @@ impl ChannelWriter {
             slot,
             pos,
             len,
+            held,
         })
+    }
+
+    /// Releases the held records (they go with the next batch), and wakes
+    /// the committer thread unless a batch is being committed (the thread
+    /// commits the next one when it ends).
+    fn release_held(&self) {
+        let mut st = self.lock();
+        if st.held_since.take().is_some() {
+            st.submitted = true;
+            if !st.flushing {
+                self.kick.notify_one();
+            }
+        }
     }
 
     /// Starts the committer thread (the state's lock is held). A thread that
@@ -90,6 +144,12 @@ impl ChannelWriter {
         }
     }
 
+    /// Test hook: how long held appends wait for a release.
+    #[cfg(test)]
+    pub(super) fn set_held_max(&self, held_max: Duration) {
+        self.lock().held_max = held_max;
+    }
+
     /// Waits for the committer thread to end (after `close`), unless called
     /// from it (a completion callback that closes the writer).
     pub(super) fn join_committer(&self) {
@@ -118,10 +178,16 @@ fn committer_loop(writer: std::sync::Weak<ChannelWriter>) {
                 st.committer = false;
                 return;
             }
+            let mut held_for = st.held_since.map(|t| t.elapsed());
+            if held_for.is_some_and(|h| h >= st.held_max) {
+                st.held_since = None;
+                st.submitted = true;
+                held_for = None;
+            }
             if st.submitted && !st.flushing {
                 break;
             }
-            if st.submitted {
+            if st.submitted || held_for.is_some() {
                 idle_since = Instant::now();
             }
             let waited = idle_since.elapsed();
@@ -129,9 +195,13 @@ fn committer_loop(writer: std::sync::Weak<ChannelWriter>) {
                 st.committer = false;
                 return;
             }
+            let mut timeout = COMMITTER_IDLE - waited;
+            if let Some(h) = held_for {
+                timeout = timeout.min(st.held_max.saturating_sub(h));
+            }
             st = w
                 .kick
-                .wait_timeout(st, COMMITTER_IDLE - waited)
+                .wait_timeout(st, timeout)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
@@ -140,6 +210,19 @@ fn committer_loop(writer: std::sync::Weak<ChannelWriter>) {
 }
 
 impl Ticket {
+    /// The channel the records were submitted to.
+    pub fn channel(&self) -> &str {
+        self.writer.channel()
+    }
+
+    /// Starts the commit of held records (see [`ChannelWriter::submit_held`])
+    /// unless one is already due; harmless for any ticket.
+    pub fn release(&self) {
+        if !self.is_done() {
+            self.writer.release_held();
+        }
+    }
+
     /// Whether the outcome is known.
     pub fn is_done(&self) -> bool {
         self.slot.outcome.get().is_some()
@@ -156,6 +239,9 @@ impl Ticket {
     /// Waits at most `timeout` for the outcome; `None` if it is not known
     /// by then (the records stay queued and may still be committed).
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<Appended, StorageError>> {
+        if self.held {
+            self.release();
+        }
         let deadline = Instant::now() + timeout;
         let state = &self.slot.state;
         let mut slept = false;
@@ -211,14 +297,38 @@ impl Ticket {
     /// Calls `callback` with the outcome: on the thread that finishes the
     /// batch, or at once on this thread if it is already known.
     pub fn on_done(&self, callback: impl FnOnce(Result<Appended, StorageError>) + Send + 'static) {
+        self.register(Box::new(callback), None);
+    }
+
+    /// [`Ticket::on_done`], then `after` once the batch's callbacks have all
+    /// run: once per batch for all the tickets given the same `after` (the
+    /// same `Arc`). For a consumer that collects outcomes and must learn
+    /// when a batch's are all in, e.g. to wake another thread once for them.
+    pub fn on_done_then(
+        &self,
+        callback: impl FnOnce(Result<Appended, StorageError>) + Send + 'static,
+        after: &AfterBatch,
+    ) {
+        self.register(Box::new(callback), Some(after));
+    }
+
+    fn register(&self, callback: super::Callback, after: Option<&AfterBatch>) {
         let slot = &self.slot;
         let mut callbacks = slot.callbacks.lock().unwrap_or_else(|e| e.into_inner());
         if slot.outcome.get().is_some() {
             drop(callbacks);
             callback(self.outcome().expect("checked above"));
+            if let Some(after) = after {
+                after();
+            }
             return;
         }
-        callbacks.push((self.pos, self.len, Box::new(callback)));
+        callbacks.each.push((self.pos, self.len, callback));
+        if let Some(after) = after {
+            if !callbacks.after.iter().any(|a| Arc::ptr_eq(a, after)) {
+                callbacks.after.push(after.clone());
+            }
+        }
         slot.has_callbacks.store(true, Ordering::Release);
     }
 }

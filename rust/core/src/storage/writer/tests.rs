@@ -372,3 +372,97 @@ fn owned_records_are_moved_into_an_empty_queue() {
     let st = w.lock();
     assert!(st.pending.capacity() <= SPARE_MAX_BYTES && st.spare.capacity() <= SPARE_MAX_BYTES);
 }
+
+/// Waits (bounded) until `ticket`'s outcome is known, without waiting on the
+/// ticket itself (which would release a held one).
+fn outcome_within(ticket: &Ticket, limit: Duration) -> Option<Result<Appended, StorageError>> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Some(o) = ticket.outcome() {
+            return Some(o);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    None
+}
+
+/// Held submits are not committed until released, then all go in one batch;
+/// the batch's after-callback runs once, after every ticket's callback.
+#[test]
+fn held_submits_wait_for_release_and_share_one_batch() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let w = Arc::new(open_writer(tmp.path(), true));
+    w.set_held_max(Duration::from_secs(3600));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let after_saw = Arc::new(Mutex::new(Vec::new()));
+    let after: AfterBatch = {
+        let (seen, after_saw) = (seen.clone(), after_saw.clone());
+        Arc::new(move || {
+            let n = seen.lock().unwrap().len();
+            after_saw.lock().unwrap().push(n);
+        })
+    };
+    let tickets: Vec<Ticket> = (0..16u32)
+        .map(|i| {
+            let t = w
+                .submit_held(format!("{i}\n").as_bytes(), 1)
+                .expect("submit");
+            let seen = seen.clone();
+            t.on_done_then(move |r| seen.lock().unwrap().push(r.is_ok()), &after);
+            t
+        })
+        .collect();
+    assert!(
+        outcome_within(&tickets[0], Duration::from_millis(100)).is_none(),
+        "a held submit was committed before its release"
+    );
+    assert_eq!(w.counters().batches, 0);
+    tickets[15].release();
+    for t in &tickets {
+        assert!(outcome_within(t, Duration::from_secs(30))
+            .expect("released, never committed")
+            .is_ok());
+    }
+    let c = w.counters();
+    assert_eq!((c.records, c.batches, c.fsyncs), (16, 1, 1), "{c:?}");
+    assert_eq!(*seen.lock().unwrap(), vec![true; 16]);
+    assert_eq!(
+        *after_saw.lock().unwrap(),
+        vec![16],
+        "after runs once, after all 16"
+    );
+    // Registered once the outcome is known: both run at once.
+    tickets[0].on_done_then(move |r| assert!(r.is_ok()), &after);
+    assert_eq!(*after_saw.lock().unwrap(), vec![16, 16]);
+    w.close();
+}
+
+/// A held submit nobody releases is committed anyway once it has waited
+/// the held limit; one whose ticket is waited on is released by the wait;
+/// `close` commits one still held.
+#[test]
+fn held_submits_are_never_stranded() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let w = Arc::new(open_writer(tmp.path(), true));
+    w.set_held_max(Duration::from_millis(20));
+    let t = w.submit_held(b"a\n", 1).expect("submit");
+    let o = outcome_within(&t, Duration::from_secs(30)).expect("never committed unasked");
+    assert_eq!(o.expect("committed"), Appended { offset: 0, end: 2 });
+
+    w.set_held_max(Duration::from_secs(3600));
+    let t = w.submit_held(b"b\n", 1).expect("submit");
+    let o = t
+        .wait_timeout(Duration::from_secs(30))
+        .expect("a wait releases");
+    assert_eq!(o.expect("committed"), Appended { offset: 2, end: 4 });
+
+    let t = w.submit_held(b"c\n", 1).expect("submit");
+    w.close();
+    assert_eq!(
+        t.outcome().expect("close commits").expect("committed").end,
+        6
+    );
+    let text = std::fs::read_to_string(tmp.path().join("c").join(segment::segment_name(0)))
+        .expect("segment");
+    assert_eq!(text, "a\nb\nc\n");
+}
