@@ -225,21 +225,19 @@ impl LogReader {
             };
             match line {
                 Line::Complete => {
-                    let offset = self.pos;
-                    let item = Item::Record {
+                    // The line and its newline, as `Item::next_offset` counts.
+                    let next = self.pos + buf.len() as u64 + 1;
+                    if next > limit {
+                        self.open = None;
+                        self.recycle(buf);
+                        return Ok(None);
+                    }
+                    let offset = std::mem::replace(&mut self.pos, next);
+                    return Ok(Some(Item::Record {
                         offset,
                         segment: start,
                         line: buf,
-                    };
-                    if item.next_offset() > limit {
-                        self.open = None;
-                        if let Item::Record { line, .. } = item {
-                            self.recycle(line);
-                        }
-                        return Ok(None);
-                    }
-                    self.pos = item.next_offset();
-                    return Ok(Some(item));
+                    }));
                 }
                 Line::Oversize(len) => {
                     self.recycle(buf);
