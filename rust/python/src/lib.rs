@@ -219,6 +219,15 @@ enum Handover {
     Held,
 }
 
+/// `publish`'s arguments, as Python gave them.
+struct PublishArgs<'a, 'py> {
+    channel: &'a Bound<'py, PyAny>,
+    payload_type: &'a Bound<'py, PyAny>,
+    payload: &'a Bound<'py, PyAny>,
+    service_name: Option<&'a Bound<'py, PyAny>>,
+    correlation_id: Option<&'a Bound<'py, PyAny>>,
+}
+
 /// What `send` gives back: the committed id, or the submitted message.
 enum Sent<'py> {
     Id(Bound<'py, PyAny>),
@@ -281,17 +290,19 @@ impl MessengerBase {
     }
 
     /// `publish`'s body: the registry check, the context, then [`Self::send`].
-    #[allow(clippy::too_many_arguments)]
     fn publish_as<'py>(
         &self,
         py: Python<'py>,
-        channel: &Bound<'py, PyAny>,
-        payload_type: &Bound<'py, PyAny>,
-        payload: &Bound<'py, PyAny>,
-        service_name: Option<&Bound<'py, PyAny>>,
-        correlation_id: Option<&Bound<'py, PyAny>>,
+        args: PublishArgs<'_, 'py>,
         handover: Handover,
     ) -> PyResult<Sent<'py>> {
+        let PublishArgs {
+            channel,
+            payload_type,
+            payload,
+            service_name,
+            correlation_id,
+        } = args;
         let Some(path) = self.path.get() else {
             return Err(new_err(
                 py,
@@ -405,16 +416,14 @@ impl MessengerBase {
         } else {
             Handover::Receipt
         };
-        let sent = self.publish_as(
-            py,
+        let args = PublishArgs {
             channel,
             payload_type,
             payload,
             service_name,
             correlation_id,
-            handover,
-        )?;
-        match sent {
+        };
+        match self.publish_as(py, args, handover)? {
             Sent::Id(id) => Ok(id),
             Sent::Submitted(sub) => {
                 let receipt = receipt::Receipt { sub: Arc::new(sub) };

@@ -275,15 +275,16 @@ impl Completer {
         correlation_id: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
-        let sent = messenger.get().publish_as(
-            py,
+        let args = crate::PublishArgs {
             channel,
             payload_type,
             payload,
             service_name,
             correlation_id,
-            crate::Handover::Held,
-        )?;
+        };
+        let sent = messenger
+            .get()
+            .publish_as(py, args, crate::Handover::Held)?;
         let crate::Sent::Submitted(sub) = sent else {
             unreachable!("a held hand-over gives the submitted message")
         };
