@@ -267,3 +267,78 @@ def test_data_dir_task_hints_only_rows_that_are_durable(
     assert _progress(data_dir, "j2") == 8
     ids = [r[2] for r in _core.read_channel(str(data_dir), "c")]
     assert ids == [f"j1:0:{i}" for i in range(10)] + [f"j2:0:{i}" for i in range(8)]
+
+
+def _dir_spec(data_dir: Path, batch_size: int) -> Any:
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from keyop_messenger.spark import writer
+
+    options = {
+        "channel": "c",
+        "payload_type": "t",
+        "data_dir": str(data_dir),
+        "batch_size": str(batch_size),
+        "lock_timeout_s": "30",
+    }
+    return writer.WriteSpec.from_options(
+        options, StructType([StructField("n", LongType())]), streaming=False
+    )
+
+
+def test_a_task_of_an_aborted_job_appends_nothing(tmp_path: Path) -> None:
+    from keyop_messenger.spark import writer
+
+    data_dir = tmp_path / "d"
+    spec = _dir_spec(data_dir, 2)
+    (data_dir / "spark-progress").mkdir(parents=True)
+    (data_dir / "spark-progress" / "j1.aborted").touch()
+    with pytest.raises(writer.PartitionError, match="j1 was aborted"):
+        writer.publish_payloads(spec, ({"n": n} for n in range(10)), "j1")
+    assert not (data_dir / "channels" / "c").exists()
+    # Another job is not stopped by that mark.
+    assert writer.publish_payloads(spec, ({"n": n} for n in range(3)), "j2").rows == 3
+
+
+def test_an_aborted_jobs_count_waits_for_its_running_task(tmp_path: Path) -> None:
+    """Spark aborts a job while its other tasks still run: the report stops
+    them and counts every row they appended, none after."""
+    import threading
+
+    from keyop_messenger.spark import writer
+
+    data_dir = tmp_path / "d"
+    spec = _dir_spec(data_dir, 2)
+    errors: list[BaseException] = []
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for n in range(400):  # bounded: about 8 s if never stopped
+            time.sleep(0.02)
+            yield {"n": n}
+
+    def task() -> None:
+        try:
+            writer.publish_payloads(spec, rows(), "j3")
+        except BaseException as exc:  # the test inspects it
+            errors.append(exc)
+
+    running = threading.Thread(target=task)
+    running.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the task has committed chunks
+            if (data_dir / "channels" / "c").is_dir():
+                if len(list(_core.read_channel(str(data_dir), "c"))) >= 4:
+                    break
+            time.sleep(0.05)
+        counts = writer.report(spec, [], aborted=True, job="j3")
+    finally:
+        running.join(timeout=30)
+    assert not running.is_alive()
+    assert len(errors) == 1 and "j3 was aborted" in str(errors[0])
+    stored = list(_core.read_channel(str(data_dir), "c"))
+    assert len(stored) >= 4 and len(stored) < 400
+    assert counts["rows_committed_by_failed_partitions"] == len(stored)
+    # A batch job's mark stays, its progress goes.
+    assert (data_dir / "spark-progress" / "j3.aborted").exists()
+    assert not (data_dir / "spark-progress" / "j3").exists()

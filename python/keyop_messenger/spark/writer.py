@@ -219,6 +219,10 @@ class _Target:
     def committed(self, channel: str, prefix: str, rows: int) -> None:
         """Called after each committed chunk: ``rows`` rows of the task are in."""
 
+    def check_job(self, job: str) -> None:
+        """Raises :class:`PartitionError` if ``job`` was aborted (a data
+        directory's mark, :func:`_stop_tasks`); called before each chunk."""
+
     def finish(self) -> None:
         """Makes what the task wrote durable before it reports it committed
         (raises if it cannot)."""
@@ -389,6 +393,13 @@ class _DirTarget(_Target):
             self._write_progress(self._progress_path(prefix), 0, stream_end(self.data_dir, channel))
             return 0
         return rows
+
+    def check_job(self, job: str) -> None:
+        if os.path.exists(_aborted_path(self.data_dir, job)):
+            raise PartitionError(
+                f"the write job {job} was aborted (another of its tasks failed): "
+                "this task stops appending"
+            )
 
     def committed(self, channel: str, prefix: str, rows: int) -> None:
         self._last = (channel, prefix, rows)
@@ -642,6 +653,7 @@ def _publish_chunks(
         assert target is not None
         first, count, key, publish = chunk
         settle()
+        target.check_job(job)
         in_flight = (first, count, publish(target, corr_of(first, key), prefix))
 
     def send_queued() -> None:
@@ -804,6 +816,52 @@ def _progress_path(data_dir: str, prefix: str) -> str:
     return os.path.join(data_dir, PROGRESS_DIR, job, f"{partition}.json")
 
 
+def _aborted_path(data_dir: str, job: str) -> str:
+    """The mark of an aborted job: while it exists, the job's tasks append
+    nothing more (:meth:`_Target.check_job`)."""
+    return os.path.join(data_dir, PROGRESS_DIR, f"{job}.aborted")
+
+
+@contextlib.contextmanager
+def _stop_tasks(spec: WriteSpec, jobs: set[str], *, for_good: bool) -> Iterator[None]:
+    """Stops the tasks of ``jobs`` appending to the data directory, for an
+    aborted job's count: Spark aborts a job while its other tasks may still
+    run. Marks each job aborted (a task checks before each chunk, holding the
+    directory's lock), then takes the lock, so no task is mid-append; yields
+    holding it. Unless ``for_good``, the marks go on exit (a streaming
+    micro-batch is replayed under the same job). If the lock is not free
+    within ``lock_timeout_s``, or a mark cannot be written, it logs why and
+    yields anyway: the count may then miss rows still being appended."""
+    from ..errors import DataDirLockedError
+
+    assert spec.data_dir is not None
+    marks = [_aborted_path(spec.data_dir, j) for j in sorted(jobs)]
+    target: _Target | None = None
+    try:
+        for mark in marks:
+            os.makedirs(os.path.dirname(mark), exist_ok=True)
+            with open(mark, "w", encoding="utf-8") as f:
+                f.flush()
+                os.fsync(f.fileno())
+        target = spec.target()
+    except (OSError, DataDirLockedError) as exc:
+        log.warning(
+            "keyop: could not stop the tasks of aborted write %s before counting its rows "
+            "(%s): the count may miss rows they append after it",
+            ", ".join(sorted(jobs)),
+            exc,
+        )
+    try:
+        yield
+    finally:
+        if not for_good:
+            for mark in marks:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(mark)
+        if target is not None:
+            target.close()
+
+
 def _committed_rows(data_dir: str, channel: str, prefix: str) -> int | None:
     """Rows of the task whose ids start with ``prefix`` that are in the
     channel: its progress file's count, or more when records of later rows
@@ -875,14 +933,20 @@ def report(
     partial: int | None = None
     if spec.data_dir is not None:
         finished = {m.partition_id for m in done}
-        partial = sum(
-            n
-            for j in jobs
-            for n in _progress_rows(spec.data_dir, spec.channel, j, finished).values()
-        )
         # A streaming micro-batch that aborts may be replayed with the same job:
-        # its progress stays; every other job's goes.
-        if not (aborted and batch_id is not None):
+        # its progress stays, and its tasks are stopped only while counting.
+        replayed = aborted and batch_id is not None
+        with (
+            _stop_tasks(spec, jobs, for_good=not replayed)
+            if aborted
+            else contextlib.nullcontext()
+        ):
+            partial = sum(
+                n
+                for j in jobs
+                for n in _progress_rows(spec.data_dir, spec.channel, j, finished).values()
+            )
+        if not replayed:
             for j in jobs:
                 shutil.rmtree(os.path.join(spec.data_dir, PROGRESS_DIR, j), ignore_errors=True)
     status = "aborted" if aborted else "committed"
