@@ -342,3 +342,25 @@ def test_an_aborted_jobs_count_waits_for_its_running_task(tmp_path: Path) -> Non
     # A batch job's mark stays, its progress goes.
     assert (data_dir / "spark-progress" / "j3.aborted").exists()
     assert not (data_dir / "spark-progress" / "j3").exists()
+
+
+def test_an_aborted_job_whose_tasks_never_started_does_not_wait_for_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No task of the job has a progress file: none can be mid-append, so
+    the count does not wait for the lock (held here by another messenger,
+    as when the job failed because the directory was busy)."""
+    from keyop_messenger.spark import writer
+
+    data_dir = tmp_path / "d"
+    spec = _dir_spec(data_dir, 2)
+
+    def no_lock(self: Any) -> Any:
+        raise AssertionError("waited for the directory's lock")
+
+    config = km.Config.from_dict({"name": "n", "storage": {"data_dir": str(data_dir)}})
+    with km.Messenger(config):
+        monkeypatch.setattr(writer.WriteSpec, "target", no_lock)
+        counts = writer.report(spec, [], aborted=True, job="j4")
+    assert counts["rows_committed_by_failed_partitions"] == 0
+    assert (data_dir / "spark-progress" / "j4.aborted").exists()

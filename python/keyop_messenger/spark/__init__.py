@@ -180,8 +180,9 @@ Counts
     says how many rows it committed). Spark aborts a job while its other tasks
     may still run: before counting, the driver of a ``data_dir`` write marks
     the job aborted (``spark-progress/<job>.aborted``, an empty file that
-    stays for a batch job) and waits for the directory's lock; a task checks
-    the mark before each chunk and stops, so the count is final.
+    stays for a batch job) and, if one of its tasks has started appending,
+    waits for the directory's lock; a task checks the mark before each chunk
+    and stops, so the count is final.
 
 Executors run the publishing and reading code in forked Python workers: the
 classes here are pickled by reference and import :mod:`keyop_messenger` there;

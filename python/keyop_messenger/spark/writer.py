@@ -675,6 +675,7 @@ def _publish_chunks(
         if any_rows and target is None:
             target = turns.take() if turns is not None else spec.target()
         if target is not None:
+            target.check_job(job)
             commit.skipped = target.resume(spec.channel, prefix)
             commit.rows = commit.skipped
             if commit.skipped:
@@ -823,15 +824,19 @@ def _aborted_path(data_dir: str, job: str) -> str:
 
 
 @contextlib.contextmanager
-def _stop_tasks(spec: WriteSpec, jobs: set[str], *, for_good: bool) -> Iterator[None]:
+def _stop_tasks(
+    spec: WriteSpec, jobs: set[str], finished: set[int], *, for_good: bool
+) -> Iterator[None]:
     """Stops the tasks of ``jobs`` appending to the data directory, for an
     aborted job's count: Spark aborts a job while its other tasks may still
-    run. Marks each job aborted (a task checks before each chunk, holding the
-    directory's lock), then takes the lock, so no task is mid-append; yields
-    holding it. Unless ``for_good``, the marks go on exit (a streaming
-    micro-batch is replayed under the same job). If the lock is not free
-    within ``lock_timeout_s``, or a mark cannot be written, it logs why and
-    yields anyway: the count may then miss rows still being appended."""
+    run. Marks each job aborted (a task checks before its first and each
+    chunk, holding the directory's lock); then, if a task of a partition not
+    in ``finished`` has started (it has a progress file), takes the lock, so
+    no task is mid-append, and yields holding it. Unless ``for_good``, the
+    marks go on exit (a streaming micro-batch is replayed under the same
+    job). If the lock is not free within ``lock_timeout_s``, or a mark cannot
+    be written, it logs why and yields anyway: the count may then miss rows
+    still being appended."""
     from ..errors import DataDirLockedError
 
     assert spec.data_dir is not None
@@ -843,7 +848,9 @@ def _stop_tasks(spec: WriteSpec, jobs: set[str], *, for_good: bool) -> Iterator[
             with open(mark, "w", encoding="utf-8") as f:
                 f.flush()
                 os.fsync(f.fileno())
-        target = spec.target()
+        # A task that has not started appending sees the mark before it does.
+        if any(_started(spec.data_dir, j, finished) for j in jobs):
+            target = spec.target()
     except (OSError, DataDirLockedError) as exc:
         log.warning(
             "keyop: could not stop the tasks of aborted write %s before counting its rows "
@@ -884,26 +891,34 @@ def _committed_rows(data_dir: str, channel: str, prefix: str) -> int | None:
     return rows
 
 
+def _progress_partitions(data_dir: str, job: str, skip: set[int]) -> list[int]:
+    """The partitions of ``job`` that have a progress file (those in ``skip`` left out)."""
+    try:
+        names = os.listdir(os.path.join(data_dir, PROGRESS_DIR, job))
+    except FileNotFoundError:
+        return []
+    stems = (os.path.splitext(n) for n in names)
+    return [int(s) for s, ext in stems if ext == ".json" and s.isdigit() and int(s) not in skip]
+
+
+def _started(data_dir: str, job: str, skip: set[int]) -> bool:
+    """Whether a task of ``job`` (partitions in ``skip`` left out) has started
+    appending to the data directory: it writes its progress file first."""
+    return bool(_progress_partitions(data_dir, job, skip))
+
+
 def _progress_rows(data_dir: str, channel: str, job: str, skip: set[int]) -> dict[int, int]:
     """Rows committed per partition of ``job`` that has a progress file
     (partitions in ``skip`` left out): the file's count and the later rows
     found in the channel by their ids (:func:`_committed_rows`)."""
-    folder = os.path.join(data_dir, PROGRESS_DIR, job)
     found: dict[int, int] = {}
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return found
-    for name in names:
-        stem, ext = os.path.splitext(name)
-        if ext != ".json" or not stem.isdigit() or int(stem) in skip:
-            continue
+    for partition in _progress_partitions(data_dir, job, skip):
         try:
-            rows = _committed_rows(data_dir, channel, row_id_prefix(job, int(stem)))
+            rows = _committed_rows(data_dir, channel, row_id_prefix(job, partition))
         except (OSError, ValueError, KeyError):
             continue
         if rows is not None:
-            found[int(stem)] = rows
+            found[partition] = rows
     return found
 
 
@@ -937,7 +952,7 @@ def report(
         # its progress stays, and its tasks are stopped only while counting.
         replayed = aborted and batch_id is not None
         with (
-            _stop_tasks(spec, jobs, for_good=not replayed)
+            _stop_tasks(spec, jobs, finished, for_good=not replayed)
             if aborted
             else contextlib.nullcontext()
         ):
