@@ -5,6 +5,7 @@
 //! why this file is long: it is the engine's whole public surface, each a short
 //! method delegating to storage, subscribe or federation.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -524,11 +525,7 @@ impl Engine {
         let writer = self.publish_writer(channel)?;
         let mut line = Vec::with_capacity(200 + m.payload_json.len());
         let id = self.encode(&mut line, channel, m)?;
-        let ticket = if held {
-            writer.submit_held(&line, 1)?
-        } else {
-            writer.submit(&line, 1)?
-        };
+        let ticket = writer.submit_as(Cow::Borrowed(&line), 1, held)?;
         self.on_commit(&ticket, vec![id.clone()]);
         Ok(Submitted { id, ticket })
     }

@@ -325,6 +325,9 @@ impl Completer {
             q.1 = false;
             std::mem::take(&mut q.0)
         };
+        // Every future is completed even if one refuses; the first such
+        // error is raised after.
+        let mut failed = None;
         for (future, outcome) in ready {
             let future = future.bind(py);
             let set = match outcome.py_err(py) {
@@ -333,12 +336,15 @@ impl Completer {
             };
             // Refused only by a future already done: cancelled by its awaiter.
             if let Err(e) = set {
-                if !future.call_method0(intern!(py, "done"))?.is_truthy()? {
-                    return Err(e);
+                let done = future
+                    .call_method0(intern!(py, "done"))
+                    .and_then(|d| d.is_truthy());
+                if !matches!(done, Ok(true)) {
+                    failed.get_or_insert(e);
                 }
             }
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// Completes the futures whose outcomes arrived, then stops watching

@@ -19,7 +19,7 @@
 //! while without work, and is joined by `close`.
 
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,8 +39,9 @@ pub struct Ticket {
     slot: Arc<Slot>,
     pos: usize,
     len: usize,
-    /// Submitted with [`ChannelWriter::submit_held`].
-    held: bool,
+    /// Submitted with [`ChannelWriter::submit_held`] and not yet released
+    /// by a wait: the first wait releases it, once.
+    held: AtomicBool,
 }
 
 impl ChannelWriter {
@@ -73,7 +74,8 @@ impl ChannelWriter {
         self.submit_as(records.into(), count, true)
     }
 
-    fn submit_as(
+    /// [`ChannelWriter::submit`] or, if `held`, [`ChannelWriter::submit_held`].
+    pub(crate) fn submit_as(
         self: &Arc<Self>,
         records: Cow<'_, [u8]>,
         count: u64,
@@ -97,7 +99,7 @@ impl ChannelWriter {
             slot,
             pos,
             len,
-            held,
+            held: AtomicBool::new(held),
         })
     }
 
@@ -239,7 +241,7 @@ impl Ticket {
     /// Waits at most `timeout` for the outcome; `None` if it is not known
     /// by then (the records stay queued and may still be committed).
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<Appended, StorageError>> {
-        if self.held {
+        if self.held.swap(false, Ordering::Relaxed) {
             self.release();
         }
         let deadline = Instant::now() + timeout;
