@@ -381,6 +381,23 @@ fn dedup(c: &mut Criterion) {
             seen.settle(id, true);
         })
     });
+    // As a hub and a publishing client use it: a batch of ids per lock.
+    g.throughput(Throughput::Elements(1000));
+    let mut batches = ids.chunks(1000).cycle();
+    g.bench_function("insert_batch_1000", |b| {
+        b.iter(|| {
+            let batch = batches.next().expect("endless");
+            seen.insert_each(batch.iter().map(String::as_str))
+        })
+    });
+    g.bench_function("claim_settle_batch_1000", |b| {
+        b.iter(|| {
+            let batch = batches.next().expect("endless");
+            black_box(seen.contains_each(batch.iter().map(String::as_str)));
+            black_box(seen.claim_each(batch.iter().map(String::as_str)));
+            seen.settle_each(batch.iter().map(String::as_str), true);
+        })
+    });
     g.finish();
 }
 

@@ -13,15 +13,15 @@
 //! 36-character UUIDs, but a peer may send long ones, and a window of
 //! 100,000 multi-megabyte ids would hold gigabytes.
 
-use std::collections::HashMap;
-use std::num::NonZeroUsize;
+use std::collections::VecDeque;
+use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 
-use lru::LruCache;
+use hashbrown::{Equivalent, HashMap};
 use tokio::sync::watch;
 
-/// Bytes an entry is counted for on top of its id (the LRU's node and
-/// hash-table slot).
+/// Bytes an entry is counted for on top of its id (its hash-table slot and
+/// its place in the recency queue).
 pub const ENTRY_OVERHEAD_BYTES: usize = 64;
 /// Bytes budgeted per entry of capacity: a UUID and its overhead fit many
 /// times over, so the byte bound only bites on unusually long ids.
@@ -34,27 +34,156 @@ pub struct SeenIds {
     ids: Mutex<Window>,
 }
 
+/// foldhash, randomly seeded per process (as the store's channel map):
+/// with SipHash, dedup was about a tenth of the CPU of a client and hub
+/// federating in one process.
+type Map<V> = HashMap<Key, V, foldhash::fast::RandomState>;
+
+/// The window: an exact least-recently-used set without a node per entry.
+/// Every id held maps to the stamp of its last use; `order` lists uses
+/// oldest first, so the front entry whose stamp is still its id's is the
+/// least recently used. A use of an id already held pushes a new entry and
+/// leaves the old one stale (skipped when it reaches the front, dropped
+/// when stale entries outnumber live ones). A linked LRU allocated and
+/// freed a node and a string per id, and those cache misses and frees were
+/// a fifth of the CPU of a federating client and hub.
 struct Window {
-    /// foldhash, randomly seeded per process (as the store's channel map):
-    /// with SipHash, dedup was about a tenth of the CPU of a client and hub
-    /// federating in one process.
-    lru: LruCache<String, (), foldhash::fast::RandomState>,
+    held: Map<u64>,
+    order: VecDeque<(Key, u64)>,
+    /// The stamp of the last use.
+    stamp: u64,
+    capacity: usize,
     /// Ids being stored now, with the channel their outcome is sent on
     /// (true: committed), made when a second caller first waits for it:
     /// most ids are never waited for, and a channel per record was a large
     /// part of a hub's CPU.
-    in_flight: HashMap<String, Option<watch::Sender<Option<bool>>>, foldhash::fast::RandomState>,
+    in_flight: Map<Option<watch::Sender<Option<bool>>>>,
     /// Bytes counted for the ids held (id length plus overhead).
     bytes: usize,
     max_bytes: usize,
 }
 
+/// An id as held. A canonical UUID (lowercase and hyphenated, as this
+/// engine and the Go original write them) is kept as its 128 bits, with no
+/// allocation; any other id as its text. The mapping is one-to-one, so ids
+/// still compare as exact strings.
+#[derive(Clone, PartialEq, Eq)]
+enum Key {
+    Uuid([u64; 2]),
+    Text(Box<str>),
+}
+
+/// An id being looked up: [`Key`] without owning its text.
+#[derive(Clone, Copy)]
+enum KeyRef<'a> {
+    Uuid([u64; 2]),
+    Text(&'a str),
+}
+
+impl<'a> KeyRef<'a> {
+    fn of(id: &'a str) -> KeyRef<'a> {
+        match parse_canonical_uuid(id.as_bytes()) {
+            Some(bits) => KeyRef::Uuid(bits),
+            None => KeyRef::Text(id),
+        }
+    }
+
+    fn to_key(self) -> Key {
+        match self {
+            KeyRef::Uuid(bits) => Key::Uuid(bits),
+            KeyRef::Text(id) => Key::Text(id.into()),
+        }
+    }
+
+    fn cost(self) -> usize {
+        match self {
+            KeyRef::Uuid(_) => UUID_LEN + ENTRY_OVERHEAD_BYTES,
+            KeyRef::Text(id) => cost(id),
+        }
+    }
+}
+
+impl Key {
+    fn as_ref(&self) -> KeyRef<'_> {
+        match self {
+            Key::Uuid(bits) => KeyRef::Uuid(*bits),
+            Key::Text(id) => KeyRef::Text(id),
+        }
+    }
+}
+
+// `Key` and `KeyRef` hash alike, so a `KeyRef` finds its `Key`.
+impl Hash for KeyRef<'_> {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        match self {
+            KeyRef::Uuid([hi, lo]) => {
+                h.write_u64(*hi);
+                h.write_u64(*lo);
+            }
+            KeyRef::Text(id) => id.hash(h),
+        }
+    }
+}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.as_ref().hash(h)
+    }
+}
+
+impl Equivalent<Key> for KeyRef<'_> {
+    fn equivalent(&self, key: &Key) -> bool {
+        match (self, key) {
+            (KeyRef::Uuid(a), Key::Uuid(b)) => a == b,
+            (KeyRef::Text(a), Key::Text(b)) => *a == &**b,
+            _ => false,
+        }
+    }
+}
+
+const UUID_LEN: usize = 36;
+
+/// The 128 bits of `id` if it is a UUID written in lowercase hex with
+/// hyphens at 8, 13, 18 and 23 (exactly one id string has those bits).
+fn parse_canonical_uuid(id: &[u8]) -> Option<[u64; 2]> {
+    if id.len() != UUID_LEN {
+        return None;
+    }
+    let mut bits: u128 = 0;
+    for (i, &c) in id.iter().enumerate() {
+        let nibble = match c {
+            b'-' if matches!(i, 8 | 13 | 18 | 23) => continue,
+            b'0'..=b'9' if !matches!(i, 8 | 13 | 18 | 23) => c - b'0',
+            b'a'..=b'f' if !matches!(i, 8 | 13 | 18 | 23) => c - b'a' + 10,
+            _ => return None,
+        };
+        bits = bits << 4 | u128::from(nibble);
+    }
+    Some([(bits >> 64) as u64, bits as u64])
+}
+
 impl Window {
-    fn claim(&mut self, id: &str) -> Claim {
-        if self.lru.get(id).is_some() {
+    /// Whether `id` is held; a held id becomes the most recently used.
+    fn touch(&mut self, id: KeyRef<'_>) -> bool {
+        let Some(stamp) = self.held.get_mut(&id) else {
+            return false;
+        };
+        self.stamp += 1;
+        *stamp = self.stamp;
+        self.order.push_back((id.to_key(), self.stamp));
+        if self.order.len() > 2 * self.held.len() + 64 {
+            let held = &self.held;
+            self.order
+                .retain(|(key, stamp)| held.get(key) == Some(stamp));
+        }
+        true
+    }
+
+    fn claim(&mut self, id: KeyRef<'_>) -> Claim {
+        if self.touch(id) {
             return Claim::Seen;
         }
-        if let Some(tx) = self.in_flight.get_mut(id) {
+        if let Some(tx) = self.in_flight.get_mut(&id) {
             let rx = match tx {
                 Some(tx) => tx.subscribe(),
                 None => {
@@ -65,35 +194,48 @@ impl Window {
             };
             return Claim::Pending(rx);
         }
-        self.in_flight.insert(id.to_owned(), None);
+        self.in_flight.insert(id.to_key(), None);
         Claim::Mine
     }
 
     /// Ends the claim on `id`; returns the channel of its waiters, if any.
-    fn settle(&mut self, id: &str, committed: bool) -> Option<watch::Sender<Option<bool>>> {
-        let (key, tx) = self.in_flight.remove_entry(id).unzip();
+    fn settle(&mut self, id: KeyRef<'_>, committed: bool) -> Option<watch::Sender<Option<bool>>> {
+        let (key, tx) = self.in_flight.remove_entry(&id).unzip();
         if committed {
             // The claim's own copy of the id becomes the window's.
-            self.admit(id, || key.unwrap_or_else(|| id.to_owned()));
+            self.admit(id, || key.unwrap_or_else(|| id.to_key()));
         }
         tx.flatten()
     }
 
-    /// Marks `id` seen; `owned` gives it as a `String` if it is to be held.
-    fn admit(&mut self, id: &str, owned: impl FnOnce() -> String) {
-        if self.lru.get(id).is_some() || cost(id) > self.max_bytes {
+    /// Marks `id` seen; `owned` gives it as a [`Key`] if it is to be held.
+    fn admit(&mut self, id: KeyRef<'_>, owned: impl FnOnce() -> Key) {
+        let cost = id.cost();
+        if self.touch(id) || cost > self.max_bytes {
             return;
         }
-        while self.bytes + cost(id) > self.max_bytes {
-            match self.lru.pop_lru() {
-                Some((old, ())) => self.bytes -= cost(&old),
-                None => break,
+        while self.bytes + cost > self.max_bytes || self.held.len() >= self.capacity {
+            if !self.evict_oldest() {
+                break;
             }
         }
-        if let Some((old, ())) = self.lru.push(owned(), ()) {
-            self.bytes -= cost(&old);
+        self.stamp += 1;
+        let key = owned();
+        self.order.push_back((key.clone(), self.stamp));
+        self.held.insert(key, self.stamp);
+        self.bytes += cost;
+    }
+
+    /// Drops the least recently used id; false when none is held.
+    fn evict_oldest(&mut self) -> bool {
+        while let Some((key, stamp)) = self.order.pop_front() {
+            if self.held.get(&key) == Some(&stamp) {
+                self.held.remove(&key);
+                self.bytes -= key.as_ref().cost();
+                return true;
+            }
         }
-        self.bytes += cost(id);
+        false
     }
 }
 
@@ -115,11 +257,13 @@ impl SeenIds {
     /// [`ENTRY_OVERHEAD_BYTES`] each); the least recently used go first.
     /// An id larger than `max_bytes` on its own is never held.
     pub fn with_max_bytes(capacity: usize, max_bytes: usize) -> SeenIds {
-        let cap = NonZeroUsize::new(capacity.max(1)).expect("capacity >= 1");
         SeenIds {
             ids: Mutex::new(Window {
-                lru: LruCache::with_hasher(cap, foldhash::fast::RandomState::default()),
-                in_flight: HashMap::default(),
+                held: Map::default(),
+                order: VecDeque::new(),
+                stamp: 0,
+                capacity: capacity.max(1),
+                in_flight: Map::default(),
                 bytes: 0,
                 max_bytes,
             }),
@@ -135,7 +279,7 @@ impl SeenIds {
     /// recency), under one lock: a receiver asks for a whole batch at once.
     pub fn contains_each<'i>(&self, ids: impl IntoIterator<Item = &'i str>) -> Vec<bool> {
         let mut w = self.lock();
-        ids.into_iter().map(|id| w.lru.get(id).is_some()).collect()
+        ids.into_iter().map(|id| w.touch(KeyRef::of(id))).collect()
     }
 
     /// Claims `id` for storing: [`Claim::Seen`] if it was committed
@@ -151,7 +295,7 @@ impl SeenIds {
     /// The ids must differ: a repeat would wait for its own first claim.
     pub fn claim_each<'i>(&self, ids: impl IntoIterator<Item = &'i str>) -> Vec<Claim> {
         let mut w = self.lock();
-        ids.into_iter().map(|id| w.claim(id)).collect()
+        ids.into_iter().map(|id| w.claim(KeyRef::of(id))).collect()
     }
 
     /// Ends the claim on `id`: marks it seen if `committed`, and tells the
@@ -166,7 +310,7 @@ impl SeenIds {
         let waiters: Vec<_> = {
             let mut w = self.lock();
             ids.into_iter()
-                .filter_map(|id| w.settle(id, committed))
+                .filter_map(|id| w.settle(KeyRef::of(id), committed))
                 .collect()
         };
         for tx in waiters {
@@ -185,7 +329,16 @@ impl SeenIds {
 
     /// Marks `id` as seen.
     pub fn insert(&self, id: &str) {
-        self.lock().admit(id, || id.to_owned());
+        self.insert_each([id]);
+    }
+
+    /// [`insert`](SeenIds::insert)s each of `ids` under one lock.
+    pub fn insert_each<'i>(&self, ids: impl IntoIterator<Item = &'i str>) {
+        let mut w = self.lock();
+        for id in ids {
+            let id = KeyRef::of(id);
+            w.admit(id, || id.to_key());
+        }
     }
 
     /// Bytes counted for the ids held now.
@@ -195,7 +348,7 @@ impl SeenIds {
 
     /// Ids currently held.
     pub fn len(&self) -> usize {
-        self.lock().lru.len()
+        self.lock().held.len()
     }
 
     /// Whether no id is held.
@@ -326,5 +479,68 @@ mod tests {
         let s = SeenIds::new(10);
         s.insert(&"x".repeat(9 * 1024 * 1024));
         assert_eq!(s.len(), 1, "a small window still holds one long id");
+    }
+
+    #[test]
+    fn uuids_are_held_as_bits_and_still_compare_as_strings() {
+        let lower = "0197a3c5-5e21-7b4f-8c2d-4a1b2c3d4e5f";
+        assert!(parse_canonical_uuid(lower.as_bytes()).is_some());
+        for other in [
+            "0197A3C5-5E21-7B4F-8C2D-4A1B2C3D4E5F",
+            "0197a3c55e217b4f8c2d4a1b2c3d4e5f",
+            "{0197a3c5-5e21-7b4f-8c2d-4a1b2c3d4e5f}",
+            "0197a3c5-5e21-7b4f-8c2d-4a1b2c3d4e5g",
+            "0197a3c5-5e21-7b4f-8c2d4-a1b2c3d4e5f",
+        ] {
+            assert!(parse_canonical_uuid(other.as_bytes()).is_none(), "{other}");
+        }
+        let s = SeenIds::new(10);
+        s.insert(lower);
+        assert!(s.contains(lower));
+        assert!(!s.contains(&lower.to_uppercase()), "case matters");
+        assert!(!s.contains("0197a3c5-5e21-7b4f-8c2d-4a1b2c3d4e50"));
+        s.insert(&lower.to_uppercase());
+        assert_eq!(s.len(), 2, "two different ids");
+        assert_eq!(s.bytes(), 2 * (36 + ENTRY_OVERHEAD_BYTES));
+        assert!(matches!(s.claim(lower), Claim::Seen));
+        let next = "0197a3c5-5e21-7b4f-8c2d-4a1b2c3d4e60";
+        assert!(matches!(s.claim(next), Claim::Mine));
+        assert!(matches!(s.claim(next), Claim::Pending(_)));
+        s.settle(next, true);
+        assert!(s.contains(next) && s.in_flight() == 0);
+    }
+
+    #[test]
+    fn recency_survives_many_refreshes() {
+        // Refreshing one id over and over leaves stale queue entries that
+        // must neither evict it nor grow without bound.
+        let s = SeenIds::new(3);
+        s.insert("keep");
+        for i in 0..10_000 {
+            s.insert(&format!("{i:036}"));
+            assert!(s.contains("keep"), "refreshed at {i}, still held");
+        }
+        assert_eq!(s.len(), 3);
+        let w = s.lock();
+        assert!(
+            w.order.len() <= 2 * w.held.len() + 64 + 1,
+            "{} queued",
+            w.order.len()
+        );
+        drop(w);
+        // The least recently used goes first, UUIDs and text alike.
+        let uuid = |n: u32| format!("0197a3c5-5e21-7b4f-8c2d-{n:012x}");
+        let s = SeenIds::new(3);
+        s.insert(&uuid(1));
+        s.insert("text");
+        s.insert(&uuid(2));
+        assert!(s.contains(&uuid(1)));
+        s.insert(&uuid(3)); // evicts "text"
+        assert!(!s.contains("text"));
+        assert!(s.contains(&uuid(1)) && s.contains(&uuid(2)) && s.contains(&uuid(3)));
+        s.insert_each(["a", "b"]); // evicts uuid(1), then uuid(2)
+        assert!(!s.contains(&uuid(1)) && !s.contains(&uuid(2)));
+        assert_eq!(s.len(), 3);
+        assert_eq!(s.bytes(), 36 + 2 + 3 * ENTRY_OVERHEAD_BYTES);
     }
 }
