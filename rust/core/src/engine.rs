@@ -207,6 +207,14 @@ impl FramedIds {
     pub fn to_vec(&self) -> Vec<String> {
         (0..self.len()).filter_map(|i| self.get(i)).collect()
     }
+
+    /// Every id, in order, borrowed where they are listed.
+    pub fn iter(&self) -> impl Iterator<Item = Cow<'_, str>> {
+        (0..self.len()).filter_map(|i| match self {
+            FramedIds::Listed(ids) => ids.get(i).map(|(id, _)| Cow::Borrowed(id.as_str())),
+            FramedIds::Numbered { .. } => self.get(i).map(Cow::Owned),
+        })
+    }
 }
 
 /// `<prefix><n>`.
@@ -359,9 +367,14 @@ pub struct Engine {
     closed: AtomicBool,
     subscribers: Mutex<HashMap<(String, String), Arc<Subscriber>>>,
     retention: Mutex<Option<(Arc<Stop>, JoinHandle<()>)>>,
-    /// Set once federation starts: ids published here are marked seen so
-    /// echoes coming back from a hub are dropped.
+    /// Set once federation starts: the seen-id window of every federation
+    /// receiver, and the channels this instance asks a hub for (every
+    /// `client.hubs[].subscribe`). Ids published here on those channels are
+    /// marked seen so that echoes coming back from a hub are dropped. No
+    /// other channel can echo: a hub sends a client only the channels it
+    /// subscribed to, and a client forwards only what it published itself.
     seen: OnceLock<Arc<SeenIds>>,
+    echo_channels: OnceLock<HashSet<String>>,
     federation: Mutex<Option<Federation>>,
     gateway: Mutex<Option<crate::gateway::Gateway>>,
     stats: Arc<EngineStats>,
@@ -395,6 +408,7 @@ impl Engine {
             subscribers: Mutex::new(HashMap::new()),
             retention: Mutex::new(None),
             seen: OnceLock::new(),
+            echo_channels: OnceLock::new(),
             federation: Mutex::new(None),
             gateway: Mutex::new(None),
             stats: Arc::new(EngineStats::default()),
@@ -490,13 +504,23 @@ impl Engine {
             }
         };
         self.stats.publish.record(took);
-        if let Some(seen) = self.seen.get() {
+        if let Some(seen) = self.echo_window(channel) {
             seen.insert(&id);
         }
         Ok(Published {
             id,
             offset: at.offset,
         })
+    }
+
+    /// The seen-id window, if ids published on `channel` must be marked in it
+    /// (see `Engine::echo_channels`).
+    fn echo_window(&self, channel: &str) -> Option<&Arc<SeenIds>> {
+        let channels = self.echo_channels.get()?;
+        match !channels.is_empty() && channels.contains(channel) {
+            true => self.seen.get(),
+            false => None,
+        }
     }
 
     /// Whether a publish is fdatasynced before it is acknowledged
@@ -526,23 +550,21 @@ impl Engine {
         let mut line = Vec::with_capacity(200 + m.payload_json.len());
         let id = self.encode(&mut line, channel, m)?;
         let ticket = writer.submit_as(Cow::Borrowed(&line), 1, held)?;
-        self.on_commit(&ticket, vec![id.clone()]);
+        self.on_commit(&ticket, channel, vec![id.clone()]);
         Ok(Submitted { id, ticket })
     }
 
     /// What a commit of submitted records updates, as `publish` does after
     /// `append`: the publish latency, and (once committed) the ids marked
     /// seen for federation.
-    fn on_commit(&self, ticket: &Ticket, ids: Vec<String>) {
+    fn on_commit(&self, ticket: &Ticket, channel: &str, ids: Vec<String>) {
         let started = Instant::now();
         let stats = self.stats.clone();
-        let seen = self.seen.get().cloned();
+        let seen = self.echo_window(channel).cloned();
         ticket.on_done(move |r| {
             stats.publish.record(started.elapsed());
             if let (Ok(_), Some(seen)) = (r, seen) {
-                for id in &ids {
-                    seen.insert(id);
-                }
+                seen.insert_each(ids.iter().map(String::as_str));
             }
         });
     }
@@ -584,17 +606,18 @@ impl Engine {
     /// copied.
     pub fn publish_framed(&self, framed: Framed) -> Result<(u64, FramedIds), Error> {
         let writer = self.framed_writer(&framed)?;
-        let Framed { buf, ids, .. } = framed;
+        let Framed {
+            buf, ids, channel, ..
+        } = framed;
         if ids.is_empty() {
             return Ok((writer.committed_end(), ids));
         }
         let started = Instant::now();
         let at = writer.append(buf, ids.len() as u64)?;
         self.stats.publish.record(started.elapsed());
-        if let Some(seen) = self.seen.get() {
-            for id in ids.to_vec() {
-                seen.insert(&id);
-            }
+        if let Some(seen) = self.echo_window(&channel) {
+            let ids: Vec<_> = ids.iter().collect();
+            seen.insert_each(ids.iter().map(|id| &**id));
         }
         Ok((at.offset, ids))
     }
@@ -608,11 +631,11 @@ impl Engine {
             return Ok(None);
         };
         let ticket = writer.submit(framed.buf, framed.ids.len() as u64)?;
-        let seen_ids = match self.seen.get() {
+        let seen_ids = match self.echo_window(&framed.channel) {
             Some(_) => framed.ids.to_vec(),
             None => Vec::new(),
         };
-        self.on_commit(&ticket, seen_ids);
+        self.on_commit(&ticket, &framed.channel, seen_ids);
         Ok(Some(Submitted { id: last, ticket }))
     }
 
@@ -959,6 +982,8 @@ impl Engine {
             return Err(Error::Federation("federation is already running".into()));
         }
         cfg.name = self.origin.clone();
+        let subscribed = cfg.client.hubs.iter().flat_map(|h| h.subscribe.iter());
+        let _ = self.echo_channels.set(subscribed.cloned().collect());
         let seen = self
             .seen
             .get_or_init(|| Arc::new(SeenIds::new(cfg.seen_id_lru_size.max(1))))

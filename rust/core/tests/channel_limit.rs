@@ -2,42 +2,19 @@
 //! rest with reason `channel_limit` through the acknowledgement; an ephemeral
 //! publisher hears it as `Error::Policy` naming the channel and the hub.
 
-use std::path::Path;
 use std::time::Duration;
 
 use keyop_core::engine::{encode_message, Outgoing};
 use keyop_core::federation::ephemeral::{EphemeralClient, EphemeralConfig};
 use keyop_core::federation::wire::push_record;
 use keyop_core::federation::{
-    AllowedPeer, FedConfig, HubEndpoint, HubSettings, TlsSettings, DEFAULT_MAX_CHANNELS,
+    AllowedPeer, FedConfig, HubEndpoint, HubSettings, DEFAULT_MAX_CHANNELS,
 };
 use keyop_core::keygen::{generate_ca, CertificateAuthority};
 use keyop_core::{Engine, Error, StoreConfig};
 
-fn tls_files(dir: &Path, ca: &CertificateAuthority, ca_pem: &str, name: &str) -> TlsSettings {
-    let extra = ["localhost".to_string(), "127.0.0.1".to_string()];
-    let cert = ca.issue(name, &extra, 30).expect("issue");
-    let (c, k, a) = (
-        dir.join(format!("{name}.crt")),
-        dir.join(format!("{name}.key")),
-        dir.join("ca.crt"),
-    );
-    std::fs::write(&c, &cert.cert_pem).unwrap();
-    std::fs::write(&k, &cert.key_pem).unwrap();
-    // A key others can read is refused (as keygen writes them: 0600).
-    std::fs::set_permissions(
-        &k,
-        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
-    )
-    .unwrap();
-    std::fs::write(&a, ca_pem).unwrap();
-    TlsSettings {
-        cert: c.display().to_string(),
-        key: k.display().to_string(),
-        ca: a.display().to_string(),
-        ..TlsSettings::default()
-    }
-}
+mod common;
+use common::tls_files;
 
 /// One frame with one message on `channel`; returns (ids, body).
 fn frame(channel: &str) -> (Vec<String>, Vec<u8>) {

@@ -409,6 +409,12 @@ impl Federation {
         Ok(())
     }
 
+    /// The seen-id window shared by this instance's receivers (and marked
+    /// by its publishes on the channels it subscribes to from a hub).
+    pub fn seen(&self) -> &SeenIds {
+        &self.shared.seen
+    }
+
     /// The address the hub listens on (useful with port 0).
     pub fn hub_addr(&self) -> Option<std::net::SocketAddr> {
         self.hub.as_ref().map(|h| h.local_addr())

@@ -4,6 +4,8 @@
 
 use std::path::Path;
 
+use keyop_core::federation::TlsSettings;
+use keyop_core::keygen::CertificateAuthority;
 use keyop_core::storage::Item;
 use keyop_core::{read_channel, Engine, Envelope, Error, Outgoing, StoreConfig};
 
@@ -40,4 +42,32 @@ pub fn ids_on_disk(data_dir: &Path, channel: &str) -> Vec<String> {
         }
     }
     ids
+}
+
+/// Writes a certificate for `name` (also valid for localhost and 127.0.0.1)
+/// issued by `ca`, its key (0600) and the CA into `dir`; returns the TLS
+/// settings naming them.
+pub fn tls_files(dir: &Path, ca: &CertificateAuthority, ca_pem: &str, name: &str) -> TlsSettings {
+    let extra = ["localhost".to_string(), "127.0.0.1".to_string()];
+    let cert = ca.issue(name, &extra, 30).expect("issue");
+    let (c, k, a) = (
+        dir.join(format!("{name}.crt")),
+        dir.join(format!("{name}.key")),
+        dir.join("ca.crt"),
+    );
+    std::fs::write(&c, &cert.cert_pem).unwrap();
+    std::fs::write(&k, &cert.key_pem).unwrap();
+    // A key others can read is refused (as keygen writes them: 0600).
+    std::fs::set_permissions(
+        &k,
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
+    )
+    .unwrap();
+    std::fs::write(&a, ca_pem).unwrap();
+    TlsSettings {
+        cert: c.display().to_string(),
+        key: k.display().to_string(),
+        ca: a.display().to_string(),
+        ..TlsSettings::default()
+    }
 }
