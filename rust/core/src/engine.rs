@@ -210,7 +210,7 @@ impl FramedIds {
 
     /// Every id, in order, borrowed where they are listed.
     pub fn iter(&self) -> impl Iterator<Item = Cow<'_, str>> {
-        (0..self.len()).filter_map(|i| match self {
+        (0..self.len()).filter_map(move |i| match self {
             FramedIds::Listed(ids) => ids.get(i).map(|(id, _)| Cow::Borrowed(id.as_str())),
             FramedIds::Numbered { .. } => self.get(i).map(Cow::Owned),
         })
