@@ -333,10 +333,10 @@ impl SeenIds {
     }
 
     /// [`insert`](SeenIds::insert)s each of `ids` under one lock.
-    pub fn insert_each<'i>(&self, ids: impl IntoIterator<Item = &'i str>) {
+    pub fn insert_each(&self, ids: impl IntoIterator<Item = impl AsRef<str>>) {
         let mut w = self.lock();
         for id in ids {
-            let id = KeyRef::of(id);
+            let id = KeyRef::of(id.as_ref());
             w.admit(id, || id.to_key());
         }
     }

@@ -564,7 +564,7 @@ impl Engine {
         ticket.on_done(move |r| {
             stats.publish.record(started.elapsed());
             if let (Ok(_), Some(seen)) = (r, seen) {
-                seen.insert_each(ids.iter().map(String::as_str));
+                seen.insert_each(&ids);
             }
         });
     }
@@ -616,8 +616,7 @@ impl Engine {
         let at = writer.append(buf, ids.len() as u64)?;
         self.stats.publish.record(started.elapsed());
         if let Some(seen) = self.echo_window(&channel) {
-            let ids: Vec<_> = ids.iter().collect();
-            seen.insert_each(ids.iter().map(|id| &**id));
+            seen.insert_each(ids.iter());
         }
         Ok((at.offset, ids))
     }

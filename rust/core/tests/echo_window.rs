@@ -2,26 +2,17 @@
 //! a hub for: only those can come back as echoes, and marking every id of a
 //! busy publisher cost a large part of its CPU.
 
-use keyop_core::engine::Outgoing;
 use keyop_core::federation::{ClientSettings, FedConfig, HubEndpoint};
 use keyop_core::keygen::{generate_ca, CertificateAuthority};
-use keyop_core::{Engine, StoreConfig};
+use keyop_core::Engine;
 
 mod common;
-
-fn message() -> Outgoing<'static> {
-    Outgoing {
-        payload_type: "t",
-        payload_json: b"{}",
-        service_name: None,
-        correlation_id: None,
-    }
-}
+use common::{msg, open_engine};
 
 /// Submits one message and returns its id once its commit's callbacks ran
 /// (the engine's marking included: callbacks run in the order registered).
 fn submit(engine: &Engine, channel: &str) -> String {
-    let submitted = engine.submit(channel, &message()).unwrap();
+    let submitted = engine.submit(channel, &msg("{}")).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     submitted.on_done(move |r| tx.send(r.map(|p| p.id)).unwrap());
     rx.recv_timeout(std::time::Duration::from_secs(30))
@@ -29,24 +20,26 @@ fn submit(engine: &Engine, channel: &str) -> String {
         .unwrap()
 }
 
+/// Publishes on `channel` by each path (one, a batch of two, a submit);
+/// returns the ids.
+fn publish_every_way(engine: &Engine, channel: &str) -> Vec<String> {
+    let mut ids = vec![engine.publish(channel, &msg("{}")).unwrap().id];
+    let batch = engine.publish_batch(channel, &[msg("{}"), msg("{}")]);
+    ids.extend(batch.unwrap().into_iter().map(|p| p.id));
+    ids.push(submit(engine, channel));
+    ids
+}
+
 #[test]
 fn only_ids_published_on_subscribed_channels_are_marked_seen() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = Engine::open(
-        StoreConfig {
-            data_dir: dir.path().join("node"),
-            sync_interval_ms: 0,
-            segment_bytes: 0,
-        },
-        "node1",
-    )
-    .unwrap();
+    let engine = open_engine(&dir.path().join("node"), 0).unwrap();
     let ca_gen = generate_ca(30).unwrap();
     let ca = CertificateAuthority::from_pem(ca_gen.cert_pem.as_bytes(), ca_gen.key_pem.as_bytes())
         .unwrap();
-    let tls = common::tls_files(dir.path(), &ca, &ca_gen.cert_pem, "node1");
+    let tls = common::tls_files(dir.path(), &ca, &ca_gen.cert_pem, "node");
     // Published before federation starts: nothing can echo yet.
-    let early = engine.publish("chat", &message()).unwrap().id;
+    let early = engine.publish("chat", &msg("{}")).unwrap().id;
     engine
         .start_federation(FedConfig {
             client: ClientSettings {
@@ -63,24 +56,8 @@ fn only_ids_published_on_subscribed_channels_are_marked_seen() {
             ..FedConfig::default()
         })
         .unwrap();
-    let mut chat = vec![engine.publish("chat", &message()).unwrap().id];
-    chat.extend(
-        engine
-            .publish_batch("chat", &[message(), message()])
-            .unwrap()
-            .into_iter()
-            .map(|p| p.id),
-    );
-    chat.push(submit(&engine, "chat"));
-    let mut temps = vec![engine.publish("temps", &message()).unwrap().id];
-    temps.extend(
-        engine
-            .publish_batch("temps", &[message(), message()])
-            .unwrap()
-            .into_iter()
-            .map(|p| p.id),
-    );
-    temps.push(submit(&engine, "temps"));
+    let chat = publish_every_way(&engine, "chat");
+    let temps = publish_every_way(&engine, "temps");
 
     engine
         .with_federation(|f| {
