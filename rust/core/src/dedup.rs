@@ -17,6 +17,7 @@ use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 
+use hashbrown::hash_map::{Entry, EntryRef};
 use hashbrown::{Equivalent, HashMap};
 use tokio::sync::watch;
 
@@ -39,6 +40,9 @@ pub struct SeenIds {
 /// federating in one process.
 type Map<V> = HashMap<Key, V, foldhash::fast::RandomState>;
 
+/// The stamp of an id being stored now; stamps of held ids start at 1.
+const IN_FLIGHT: u64 = 0;
+
 /// The window: an exact least-recently-used set without a node per entry.
 /// Every id held maps to the stamp of its last use; `order` lists uses
 /// oldest first, so the front entry whose stamp is still its id's is the
@@ -47,17 +51,26 @@ type Map<V> = HashMap<Key, V, foldhash::fast::RandomState>;
 /// when stale entries outnumber live ones). A linked LRU allocated and
 /// freed a node and a string per id, and those cache misses and frees were
 /// a fifth of the CPU of a federating client and hub.
+///
+/// Ids being stored now are in the same map, stamped [`IN_FLIGHT`] (never
+/// queued, so never evicted): a hub claims, stores and settles every id it
+/// receives, and with a map apart each of those steps was two lookups
+/// where one now does, in a table too large for the CPU's caches.
 struct Window {
-    held: Map<u64>,
+    ids: Map<u64>,
     order: VecDeque<(Key, u64)>,
     /// The stamp of the last use.
     stamp: u64,
+    /// Ids held (in `ids` with a stamp that is not [`IN_FLIGHT`]).
+    held: usize,
+    /// Ids in flight.
+    in_flight: usize,
     capacity: usize,
-    /// Ids being stored now, with the channel their outcome is sent on
-    /// (true: committed), made when a second caller first waits for it:
+    /// In-flight ids somebody waits for, with the channel their outcome is
+    /// sent on (true: committed), made when a second caller first waits:
     /// most ids are never waited for, and a channel per record was a large
     /// part of a hub's CPU.
-    in_flight: Map<Option<watch::Sender<Option<bool>>>>,
+    waiters: Map<watch::Sender<Option<bool>>>,
     /// Bytes counted for the ids held (id length plus overhead).
     bytes: usize,
     max_bytes: usize,
@@ -103,6 +116,13 @@ impl<'a> KeyRef<'a> {
     }
 }
 
+/// What a vacant [`HashMap::entry_ref`] stores.
+impl From<&KeyRef<'_>> for Key {
+    fn from(id: &KeyRef<'_>) -> Key {
+        id.to_key()
+    }
+}
+
 impl Key {
     fn as_ref(&self) -> KeyRef<'_> {
         match self {
@@ -143,96 +163,175 @@ impl Equivalent<Key> for KeyRef<'_> {
 
 const UUID_LEN: usize = 36;
 
+/// Each byte's value as a hex digit (lowercase only), or [`NOT_HEX`].
+const HEX: [u8; 256] = {
+    let mut t = [NOT_HEX; 256];
+    let mut c = 0;
+    while c < 10 {
+        t[b'0' as usize + c] = c as u8;
+        c += 1;
+    }
+    let mut c = 0;
+    while c < 6 {
+        t[b'a' as usize + c] = 10 + c as u8;
+        c += 1;
+    }
+    t
+};
+const NOT_HEX: u8 = 0xff;
+
 /// The 128 bits of `id` if it is a UUID written in lowercase hex with
 /// hyphens at 8, 13, 18 and 23 (exactly one id string has those bits).
+/// Every id a hub receives is looked up three times (seen? claim, settle):
+/// a table instead of a match per byte.
 fn parse_canonical_uuid(id: &[u8]) -> Option<[u64; 2]> {
-    if id.len() != UUID_LEN {
+    let id: &[u8; UUID_LEN] = id.try_into().ok()?;
+    if [id[8], id[13], id[18], id[23]] != [b'-'; 4] {
         return None;
     }
     let mut bits: u128 = 0;
-    for (i, &c) in id.iter().enumerate() {
-        let nibble = match c {
-            b'-' if matches!(i, 8 | 13 | 18 | 23) => continue,
-            b'0'..=b'9' if !matches!(i, 8 | 13 | 18 | 23) => c - b'0',
-            b'a'..=b'f' if !matches!(i, 8 | 13 | 18 | 23) => c - b'a' + 10,
-            _ => return None,
-        };
-        bits = bits << 4 | u128::from(nibble);
+    let mut bad = 0;
+    for &c in id[..8]
+        .iter()
+        .chain(&id[9..13])
+        .chain(&id[14..18])
+        .chain(&id[19..23])
+        .chain(&id[24..])
+    {
+        let nibble = HEX[usize::from(c)];
+        bad |= nibble;
+        bits = bits << 4 | u128::from(nibble & 0x0f);
     }
-    Some([(bits >> 64) as u64, bits as u64])
+    (bad != NOT_HEX).then_some([(bits >> 64) as u64, bits as u64])
 }
 
 impl Window {
     /// Whether `id` is held; a held id becomes the most recently used.
     fn touch(&mut self, id: KeyRef<'_>) -> bool {
-        let Some(stamp) = self.held.get_mut(&id) else {
-            return false;
-        };
-        self.stamp += 1;
-        *stamp = self.stamp;
-        self.order.push_back((id.to_key(), self.stamp));
-        if self.order.len() > 2 * self.held.len() + 64 {
-            let held = &self.held;
-            self.order
-                .retain(|(key, stamp)| held.get(key) == Some(stamp));
+        match self.ids.get_mut(&id) {
+            Some(stamp) if *stamp != IN_FLIGHT => {
+                self.stamp += 1;
+                *stamp = self.stamp;
+                self.queue(id.to_key());
+                true
+            }
+            _ => false,
         }
-        true
+    }
+
+    /// Queues a use of `key` at the current stamp, dropping stale entries
+    /// once they outnumber live ones.
+    fn queue(&mut self, key: Key) {
+        self.order.push_back((key, self.stamp));
+        if self.order.len() > 2 * self.held + 64 {
+            let ids = &self.ids;
+            self.order
+                .retain(|(key, stamp)| ids.get(key) == Some(stamp));
+        }
     }
 
     fn claim(&mut self, id: KeyRef<'_>) -> Claim {
-        if self.touch(id) {
-            return Claim::Seen;
+        match self.ids.entry_ref(&id) {
+            EntryRef::Vacant(v) => {
+                v.insert(IN_FLIGHT);
+                self.in_flight += 1;
+                Claim::Mine
+            }
+            EntryRef::Occupied(o) if *o.get() == IN_FLIGHT => {
+                let tx = self
+                    .waiters
+                    .entry_ref(&id)
+                    .or_insert_with(|| watch::channel(None).0);
+                Claim::Pending(tx.subscribe())
+            }
+            EntryRef::Occupied(o) => {
+                self.stamp += 1;
+                *o.into_mut() = self.stamp;
+                self.queue(id.to_key());
+                Claim::Seen
+            }
         }
-        if let Some(tx) = self.in_flight.get_mut(&id) {
-            let rx = match tx {
-                Some(tx) => tx.subscribe(),
-                None => {
-                    let (new, rx) = watch::channel(None);
-                    *tx = Some(new);
-                    rx
-                }
-            };
-            return Claim::Pending(rx);
-        }
-        self.in_flight.insert(id.to_key(), None);
-        Claim::Mine
     }
 
     /// Ends the claim on `id`; returns the channel of its waiters, if any.
     fn settle(&mut self, id: KeyRef<'_>, committed: bool) -> Option<watch::Sender<Option<bool>>> {
-        let (key, tx) = self.in_flight.remove_entry(&id).unzip();
-        if committed {
-            // The claim's own copy of the id becomes the window's.
-            self.admit(id, || key.unwrap_or_else(|| id.to_key()));
+        let waiters = match self.waiters.is_empty() {
+            true => None,
+            false => self.waiters.remove(&id),
+        };
+        let cost = id.cost();
+        let keep = committed && cost <= self.max_bytes;
+        match self.ids.entry_ref(&id) {
+            EntryRef::Occupied(o) if *o.get() == IN_FLIGHT => {
+                self.in_flight -= 1;
+                if keep {
+                    self.stamp += 1;
+                    *o.into_mut() = self.stamp;
+                    self.hold(id.to_key(), cost);
+                } else {
+                    o.remove();
+                }
+            }
+            // Not claimed (or marked seen while in flight): a commit marks it.
+            EntryRef::Occupied(o) if keep => {
+                self.stamp += 1;
+                *o.into_mut() = self.stamp;
+                self.queue(id.to_key());
+            }
+            EntryRef::Vacant(v) if keep => {
+                self.stamp += 1;
+                v.insert(self.stamp);
+                self.hold(id.to_key(), cost);
+            }
+            _ => {}
         }
-        tx.flatten()
+        waiters
     }
 
-    /// Marks `id` seen; `owned` gives it as a [`Key`] if it is to be held.
+    /// Marks `id` seen (`owned` gives it as a [`Key`] if it is to be held).
     fn admit(&mut self, id: KeyRef<'_>, owned: impl FnOnce() -> Key) {
         let cost = id.cost();
         if self.touch(id) || cost > self.max_bytes {
             return;
         }
-        while self.bytes + cost > self.max_bytes || self.held.len() >= self.capacity {
+        self.stamp += 1;
+        let key = owned();
+        if let Some(stamp) = self.ids.get_mut(&key) {
+            // In flight: held from now on; its settle refreshes it.
+            *stamp = self.stamp;
+            self.in_flight -= 1;
+        } else {
+            self.ids.insert(key.clone(), self.stamp);
+        }
+        self.hold(key, cost);
+    }
+
+    /// Counts a newly held id (stamped with the current stamp) as the most
+    /// recently used, then evicts the least recently used ones while the
+    /// window is over its bounds (never the new one: it costs at most
+    /// `max_bytes` and the capacity is at least 1).
+    fn hold(&mut self, key: Key, cost: usize) {
+        self.held += 1;
+        self.bytes += cost;
+        self.queue(key);
+        while self.bytes > self.max_bytes || self.held > self.capacity {
             if !self.evict_oldest() {
                 break;
             }
         }
-        self.stamp += 1;
-        let key = owned();
-        self.order.push_back((key.clone(), self.stamp));
-        self.held.insert(key, self.stamp);
-        self.bytes += cost;
     }
 
     /// Drops the least recently used id; false when none is held.
     fn evict_oldest(&mut self) -> bool {
         while let Some((key, stamp)) = self.order.pop_front() {
-            if self.held.get(&key) == Some(&stamp) {
-                self.held.remove(&key);
-                self.bytes -= key.as_ref().cost();
-                return true;
+            let cost = key.as_ref().cost();
+            if let Entry::Occupied(o) = self.ids.entry(key) {
+                if *o.get() == stamp {
+                    o.remove();
+                    self.held -= 1;
+                    self.bytes -= cost;
+                    return true;
+                }
             }
         }
         false
@@ -259,11 +358,13 @@ impl SeenIds {
     pub fn with_max_bytes(capacity: usize, max_bytes: usize) -> SeenIds {
         SeenIds {
             ids: Mutex::new(Window {
-                held: Map::default(),
+                ids: Map::default(),
                 order: VecDeque::new(),
-                stamp: 0,
+                stamp: IN_FLIGHT,
+                held: 0,
+                in_flight: 0,
                 capacity: capacity.max(1),
-                in_flight: Map::default(),
+                waiters: Map::default(),
                 bytes: 0,
                 max_bytes,
             }),
@@ -324,7 +425,7 @@ impl SeenIds {
 
     /// Ids claimed and not yet settled.
     pub fn in_flight(&self) -> usize {
-        self.lock().in_flight.len()
+        self.lock().in_flight
     }
 
     /// Marks `id` as seen.
@@ -348,7 +449,7 @@ impl SeenIds {
 
     /// Ids currently held.
     pub fn len(&self) -> usize {
-        self.lock().held.len()
+        self.lock().held
     }
 
     /// Whether no id is held.
@@ -383,6 +484,108 @@ impl Claim {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashSet;
+
+    /// A plain model of the window: a list in order of use and a set of
+    /// ids in flight, checked against the window after every step.
+    #[derive(Default)]
+    struct Model {
+        held: Vec<String>,
+        in_flight: HashSet<String>,
+    }
+
+    impl Model {
+        fn touch(&mut self, id: &str) -> bool {
+            let Some(at) = self.held.iter().position(|h| h == id) else {
+                return false;
+            };
+            let id = self.held.remove(at);
+            self.held.push(id);
+            true
+        }
+
+        fn admit(&mut self, id: &str, capacity: usize) {
+            self.in_flight.remove(id);
+            if !self.touch(id) {
+                self.held.push(id.to_owned());
+                if self.held.len() > capacity {
+                    self.held.remove(0);
+                }
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Insert(u8),
+        Contains(u8),
+        Claim(u8),
+        Settle(u8, bool),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (0..12u8).prop_map(Step::Insert),
+            (0..12u8).prop_map(Step::Contains),
+            (0..12u8).prop_map(Step::Claim),
+            (0..12u8, any::<bool>()).prop_map(|(i, c)| Step::Settle(i, c)),
+        ]
+    }
+
+    /// Ids 0-5 as canonical UUIDs, 6-11 as other text: both kinds of key.
+    fn id(i: u8) -> String {
+        match i < 6 {
+            true => format!("0197a3c5-5e21-7b4f-8c2d-{i:012x}"),
+            false => format!("id-{i}"),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn behaves_as_a_plain_lru_with_ids_in_flight(
+            capacity in 1..5usize,
+            steps in proptest::collection::vec(step(), 1..200),
+        ) {
+            let s = SeenIds::with_max_bytes(capacity, usize::MAX);
+            let mut m = Model::default();
+            for st in steps {
+                match st {
+                    Step::Insert(i) => {
+                        s.insert(&id(i));
+                        m.admit(&id(i), capacity);
+                    }
+                    Step::Contains(i) => prop_assert_eq!(s.contains(&id(i)), m.touch(&id(i))),
+                    Step::Claim(i) => {
+                        let want = match () {
+                            _ if m.touch(&id(i)) => "seen",
+                            _ if !m.in_flight.insert(id(i)) => "pending",
+                            _ => "mine",
+                        };
+                        let got = match s.claim(&id(i)) {
+                            Claim::Seen => "seen",
+                            Claim::Pending(_) => "pending",
+                            Claim::Mine => "mine",
+                        };
+                        prop_assert_eq!(got, want);
+                    }
+                    Step::Settle(i, committed) => {
+                        s.settle(&id(i), committed);
+                        m.in_flight.remove(&id(i));
+                        if committed {
+                            m.admit(&id(i), capacity);
+                        }
+                    }
+                }
+                prop_assert_eq!(s.len(), m.held.len());
+                prop_assert_eq!(s.in_flight(), m.in_flight.len());
+                let w = s.lock();
+                prop_assert_eq!(w.ids.len(), w.held + w.in_flight);
+                let bytes: usize = m.held.iter().map(|h| cost(h)).sum();
+                prop_assert_eq!(w.bytes, bytes);
+            }
+        }
+    }
 
     #[test]
     fn in_flight_ids_wait_for_the_first_attempt() {
@@ -523,7 +726,7 @@ mod tests {
         assert_eq!(s.len(), 3);
         let w = s.lock();
         assert!(
-            w.order.len() <= 2 * w.held.len() + 64 + 1,
+            w.order.len() <= 2 * w.held + 64 + 1,
             "{} queued",
             w.order.len()
         );
