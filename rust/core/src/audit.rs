@@ -192,8 +192,15 @@ impl AuditLog {
     /// timestamp and one write for the batch (rotating where a record fills
     /// the file, as [`AuditLog::log`] does). The keys around the id are the
     /// same for every record of the batch, so they are encoded once.
-    pub fn log_forwards(&self, direction: &str, peer: &str, channel: &str, ids: &[String]) {
-        if ids.is_empty() {
+    pub fn log_forwards<'a>(
+        &self,
+        direction: &str,
+        peer: &str,
+        channel: &str,
+        ids: impl IntoIterator<Item = &'a str>,
+    ) {
+        let mut ids = ids.into_iter().peekable();
+        if ids.peek().is_none() {
             return;
         }
         let ts = format_ts(SystemTime::now());
@@ -220,7 +227,7 @@ impl AuditLog {
         let without_id = serde_json::to_vec(&record("")).expect("audit record serialises");
         let tail = &without_id[head.len()..];
         head.extend_from_slice(b",\"message_id\":");
-        self.write_records(ids.iter().map(|id| match id.is_empty() {
+        self.write_records(ids.map(|id| match id.is_empty() {
             false => Line::Forward {
                 head: &head,
                 id,
@@ -354,7 +361,7 @@ mod tests {
         assert!(!audit.join("audit.jsonl.3").exists());
         log.close();
         log.log(AuditEvent::new("ignored after close"));
-        log.log_forwards("inbound", "p", "c", &["ignored".to_owned()]);
+        log.log_forwards("inbound", "p", "c", ["ignored"]);
     }
 
     /// A forward record encoded once around its id reads as serde writes
@@ -379,7 +386,7 @@ mod tests {
         ] {
             let dir = tempfile::tempdir().unwrap();
             let log = AuditLog::open(dir.path(), 1, 3).unwrap();
-            log.log_forwards(direction, peer, channel, &ids);
+            log.log_forwards(direction, peer, channel, ids.iter().map(String::as_str));
             let text = fs::read_to_string(log.path()).unwrap();
             let lines: Vec<&str> = text.lines().collect();
             assert_eq!(lines.len(), ids.len());
@@ -409,7 +416,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let log = AuditLog::open(dir.path(), 1, 3).unwrap();
         let ids: Vec<String> = (0..3).map(|i| format!("id-{i}")).collect();
-        log.log_forwards("outbound", "hub-a", "temps", &ids);
+        log.log_forwards("outbound", "hub-a", "temps", ids.iter().map(String::as_str));
         let text = fs::read_to_string(log.path()).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
@@ -422,7 +429,7 @@ mod tests {
         // About 1.3 MiB of records in one batch: the file rotates once, right
         // after the record that reaches 1 MiB, and nothing is lost.
         let many: Vec<String> = (0..6_000).map(|i| format!("{i:0>100}")).collect();
-        log.log_forwards("inbound", "p", "c", &many);
+        log.log_forwards("inbound", "p", "c", many.iter().map(String::as_str));
         let audit = dir.path().join("audit");
         let rotated = fs::read_to_string(audit.join("audit.jsonl.1")).unwrap();
         let live = fs::read_to_string(log.path()).unwrap();

@@ -21,6 +21,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
+use super::ids::IdList;
 use super::status::{LinkStatus, RefusalReason};
 use super::wire::{push_record, split_batch, Ack, Refused};
 use super::{Shared, ACK_TIMEOUT, PING_INTERVAL, READ_TIMEOUT};
@@ -56,7 +57,7 @@ pub struct OutChannel {
 
 struct Batch {
     body: Vec<u8>,
-    ids: Vec<String>,
+    ids: IdList,
     end: u64,
     /// Byte ranges the reader skipped because their segments are gone.
     gaps: Vec<(u64, u64)>,
@@ -70,7 +71,7 @@ impl OutChannel {
     fn read_batch(&mut self, max_bytes: usize) -> std::io::Result<Batch> {
         let limit = self.writer.committed_end();
         let mut body = Vec::new();
-        let mut ids = Vec::new();
+        let mut ids = IdList::default();
         let mut json_bytes = 0;
         let mut gaps = Vec::new();
         let mut full = false;
@@ -100,7 +101,7 @@ impl OutChannel {
             }
             push_record(&mut body, &line);
             json_bytes += line.len();
-            ids.push(env.id.into_owned());
+            ids.push(&env.id);
             if json_bytes >= max_bytes {
                 full = true;
                 break;
@@ -306,8 +307,8 @@ async fn receive_batch(
         .into_iter();
     let mut ack = Ack::default();
     let mut in_batch: FastSet<Cow<str>> = FastSet::default();
-    // Records to claim, in batch order: (channel, line, id).
-    let mut wanted: Vec<(Cow<str>, Cow<[u8]>, String)> = Vec::new();
+    // Records to claim, in batch order.
+    let mut wanted: Vec<Wanted> = Vec::new();
     // Whether the last record that counts for the acknowledgement is the
     // last of `wanted` (else a refused one set `ack.last_id`).
     let mut last_wanted = false;
@@ -348,7 +349,7 @@ async fn receive_batch(
             continue;
         }
         if let Some(budget) = &inbound.channel_budget {
-            let is_new = !wanted.iter().any(|w| w.0 == env.channel)
+            let is_new = !wanted.iter().any(|w| w.channel == env.channel)
                 && !shared
                     .store
                     .channel_dir(&env.channel)
@@ -367,23 +368,30 @@ async fn receive_batch(
         };
         in_batch.insert(env.id.clone());
         last_wanted = true;
-        wanted.push((env.channel, line, env.id.into_owned()));
+        wanted.push(Wanted {
+            channel: env.channel,
+            line,
+            id: env.id,
+        });
     }
     if last_wanted {
-        ack.last_id = wanted.last().map(|w| w.2.clone()).unwrap_or_default();
+        ack.last_id = wanted.last().map(|w| w.id.to_string()).unwrap_or_default();
     }
-    let claims = shared.seen.claim_each(wanted.iter().map(|w| w.2.as_str()));
+    let claims = shared.seen.claim_each(wanted.iter().map(|w| &*w.id));
     // Claims this batch holds, per channel, settled as failed if it returns
     // early; records another connection is storing at the same moment.
     let mut mine = Claimed::new(&shared.seen);
     let mut pending: Vec<(String, Vec<u8>, String, PendingOutcome)> = Vec::new();
-    for ((channel, line, id), claim) in wanted.into_iter().zip(claims) {
+    for (Wanted { channel, line, id }, claim) in wanted.into_iter().zip(claims) {
         match claim {
             Claim::Seen => {}
-            Claim::Pending(rx) => {
-                pending.push((channel.into_owned(), Line(&line).to_vec(), id, rx))
-            }
-            Claim::Mine => mine.add(&channel, Line(&line), id),
+            Claim::Pending(rx) => pending.push((
+                channel.into_owned(),
+                Line(&line).to_vec(),
+                id.into_owned(),
+                rx,
+            )),
+            Claim::Mine => mine.add(&channel, Line(&line), &id),
         }
     }
     loop {
@@ -405,13 +413,11 @@ async fn receive_batch(
             if let Some(counter) = &inbound.received {
                 counter.fetch_add(n, Ordering::Relaxed);
             }
-            shared
-                .seen
-                .settle_each(group.ids.iter().map(String::as_str), true);
+            shared.seen.settle_each(group.ids.iter(), true);
             shared
                 .audit
-                .log_forwards("inbound", &inbound.peer, &group.channel, &group.ids);
-            group.ids.clear();
+                .log_forwards("inbound", &inbound.peer, &group.channel, group.ids.iter());
+            group.ids = IdList::default();
         }
         mine.groups.clear();
         // Records another connection was storing (none of ours is held now,
@@ -427,7 +433,7 @@ async fn receive_batch(
             match shared.seen.claim(&id) {
                 Claim::Seen => {}
                 Claim::Pending(rx) => pending.push((channel, line, id, rx)),
-                Claim::Mine => mine.add(&channel, Line(&line), id),
+                Claim::Mine => mine.add(&channel, Line(&line), &id),
             }
         }
     }
@@ -441,6 +447,14 @@ async fn receive_batch(
 
 type PendingOutcome = tokio::sync::watch::Receiver<Option<bool>>;
 
+/// A received record that passed the checks, to be claimed and stored:
+/// borrowed from the batch as far as possible.
+struct Wanted<'a> {
+    channel: Cow<'a, str>,
+    line: Cow<'a, [u8]>,
+    id: Cow<'a, str>,
+}
+
 /// The records a batch has claimed (`Claim::Mine`), per channel in order of
 /// first appearance. Ids still held when it drops (an error, a cancelled
 /// task) are settled as failed, so a resend waiting on them stores them.
@@ -453,7 +467,7 @@ struct Claimed<'a> {
 struct Group {
     channel: String,
     lines: Vec<u8>,
-    ids: Vec<String>,
+    ids: IdList,
 }
 
 impl<'a> Claimed<'a> {
@@ -465,25 +479,28 @@ impl<'a> Claimed<'a> {
     }
 
     /// Adds a claimed record to its channel's group.
-    fn add(&mut self, channel: &str, line: Line<'_>, id: String) {
-        match self.groups.iter_mut().find(|g| g.channel == channel) {
-            Some(g) => {
-                line.push_to(&mut g.lines);
-                g.ids.push(id);
+    fn add(&mut self, channel: &str, line: Line<'_>, id: &str) {
+        let at = match self.groups.iter().position(|g| g.channel == channel) {
+            Some(at) => at,
+            None => {
+                self.groups.push(Group {
+                    channel: channel.to_owned(),
+                    lines: Vec::new(),
+                    ids: IdList::default(),
+                });
+                self.groups.len() - 1
             }
-            None => self.groups.push(Group {
-                channel: channel.to_owned(),
-                lines: line.to_vec(),
-                ids: vec![id],
-            }),
-        }
+        };
+        let g = &mut self.groups[at];
+        line.push_to(&mut g.lines);
+        g.ids.push(id);
     }
 }
 
 impl Drop for Claimed<'_> {
     fn drop(&mut self) {
-        let held = self.groups.iter().flat_map(|g| &g.ids);
-        self.seen.settle_each(held.map(String::as_str), false);
+        let held = self.groups.iter().flat_map(|g| g.ids.iter());
+        self.seen.settle_each(held, false);
     }
 }
 
@@ -604,9 +621,8 @@ where
                         }
                     }
                 };
-                let forwarded: Vec<String> = if ack.refused.is_empty() {
-                    batch.ids
-                } else {
+                let mut refused = HashSet::new();
+                if !ack.refused.is_empty() {
                     note_refusals(
                         &shared,
                         &peer,
@@ -615,17 +631,12 @@ where
                         &ack.refused,
                         &mut warned,
                     );
-                    let refused: HashSet<&str> =
-                        ack.refused.iter().map(|r| r.id.as_str()).collect();
-                    batch
-                        .ids
-                        .into_iter()
-                        .filter(|id| !refused.contains(id.as_str()))
-                        .collect()
-                };
+                    refused.extend(ack.refused.iter().map(|r| r.id.as_str()));
+                }
+                let forwarded = batch.ids.iter().filter(|id| !refused.contains(id));
                 shared
                     .audit
-                    .log_forwards("outbound", &peer, &ch.channel, &forwarded);
+                    .log_forwards("outbound", &peer, &ch.channel, forwarded);
                 sent = true;
             }
             if batch.end != positions[i] {

@@ -13,6 +13,7 @@ pub mod conns;
 pub mod ephemeral;
 pub mod flush;
 pub mod hub;
+pub mod ids;
 pub mod link;
 pub mod status;
 pub mod tls;
