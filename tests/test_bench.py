@@ -146,6 +146,7 @@ def test_quick_bench_prints_every_figure() -> None:
     for key in (
         "publish_relaxed_per_s",
         "publish_relaxed_16_per_s",
+        "python_gil_loop_16_ratio",
         "raw_json_write_per_s",
         "cpu_us_per_msg_publish_relaxed",
         "cpu_us_per_msg_publish_durable",
@@ -165,6 +166,16 @@ def test_quick_bench_prints_every_figure() -> None:
         for key in bench.ONE_CORE_CASES:
             assert results[f"one_core_ratio_{key}"] > 0, key
         assert isinstance(results["one_core_target_met"], bool)
+
+
+def test_gil_loop_probe_runs_every_thread(tmp_path: Path) -> None:
+    suite = Suite(tmp_path, 0.05, 1)
+    one, many = suite.gil_loop(1), suite.gil_loop(4)
+    assert one.per_s > 0 and many.per_s > 0
+    # Four threads take turns on the GIL: together about as fast as one
+    # (never four times), whatever the machine's load.
+    assert many.per_s < 3 * one.per_s
+    assert 0 < suite.gil_loop_ratio(4) < 3
 
 
 def test_idle_memory_probes_measure_each_kind(tmp_path: Path) -> None:
