@@ -144,9 +144,15 @@ pub struct AuditLog {
     path: PathBuf,
     max_bytes: u64,
     max_files: u32,
-    live: Mutex<Option<Live>>,
+    state: Mutex<State>,
+}
+
+/// What writing takes, under one lock.
+struct State {
+    /// The open file; `None` once closed.
+    live: Option<Live>,
     /// The buffer records are encoded into, kept between writes.
-    scratch: Mutex<Vec<u8>>,
+    scratch: Vec<u8>,
 }
 
 fn open_live(path: &Path) -> io::Result<Live> {
@@ -170,8 +176,10 @@ impl AuditLog {
             path,
             max_bytes: max_size_mb.max(1) * 1024 * 1024,
             max_files: max_files.max(1),
-            live: Mutex::new(Some(live)),
-            scratch: Mutex::new(Vec::new()),
+            state: Mutex::new(State {
+                live: Some(live),
+                scratch: Vec::new(),
+            }),
         })
     }
 
@@ -240,12 +248,14 @@ impl AuditLog {
     /// Writes records with as few writes as rotation allows: the file rotates
     /// right after the record that brings it to the size limit.
     fn write_records<'a>(&self, records: impl IntoIterator<Item = Line<'a>>) {
-        let mut guard = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let State {
+            live: guard,
+            scratch: buf,
+        } = &mut *state;
         if guard.is_none() {
             return;
         }
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let buf = &mut *scratch;
         buf.clear();
         for rec in records {
             rec.write_to(buf);
@@ -312,7 +322,13 @@ impl AuditLog {
 
     /// Flushes to disk and stops logging. Idempotent.
     pub fn close(&self) {
-        if let Some(live) = self.live.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        let live = self
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .live
+            .take();
+        if let Some(live) = live {
             let _ = live.file.sync_all();
         }
     }
