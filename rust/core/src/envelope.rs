@@ -380,7 +380,13 @@ fn decode_checked<'a, E: Checked<'a>>(
     kind: NameKind,
 ) -> Result<E, Box<Invalid>> {
     let invalid = |error: RecordError, env: Option<E>| {
-        let (mut id, mut channel) = env.map(E::into_id_channel).unwrap_or_default();
+        // A record that does not decode may still start as every writer
+        // starts one: its id and channel then name it in the refusal.
+        let (mut id, mut channel) = env.map(E::into_id_channel).unwrap_or_else(|| {
+            canonical::leading_fields(rec)
+                .map(|(id, channel, _)| (id.to_owned(), channel.to_owned()))
+                .unwrap_or_default()
+        });
         if validate_id(&id).is_err() {
             id.clear();
         }
@@ -897,6 +903,19 @@ impl<'a> EnvelopeRef<'a> {
             None => decode_full(line),
         }
     }
+
+    /// The id and origin of a stored line, for a sender that needs nothing
+    /// else: read from the start of the header alone when the line has the
+    /// canonical layout (the rest of the record is not checked; its
+    /// receiver checks the whole of it), else from [`EnvelopeRef::decode`].
+    /// `None` if the line does not decode.
+    pub fn id_and_origin(line: &'a [u8]) -> Option<(Cow<'a, str>, Cow<'a, str>)> {
+        if let Some((id, _, origin)) = canonical::leading_fields(line) {
+            return Some((Cow::Borrowed(id), Cow::Borrowed(origin)));
+        }
+        let env = EnvelopeRef::decode(line).ok()?;
+        Some((env.id, env.origin))
+    }
 }
 
 /// [`EnvelopeRef::decode`] by the JSON parser, for a line in any layout.
@@ -966,6 +985,30 @@ impl Envelope {
 mod tests {
     use super::*;
     use std::time::{Duration, UNIX_EPOCH};
+
+    /// A record that does not decode but starts as every writer starts one
+    /// is refused with its id and channel, so the refusal names it.
+    #[test]
+    fn unreadable_records_are_named_by_their_leading_fields() {
+        let id = "0197a3c5-5e21-7b4f-8c2d-4a1b2c3d4e5f";
+        let start = format!(
+            r#"{{"v":1,"id":"{id}","ts":"2026-03-31T14:22:01Z","channel":"temps","origin":"n","payload_type":"t","payload":"#
+        );
+        for rest in ["{\"x\":}}", "1", "[}"] {
+            let line = format!("{start}{rest}");
+            let e = decode_valid(line.as_bytes(), 1 << 20, NameKind::Channel)
+                .expect_err("does not decode");
+            assert!(matches!(e.error, RecordError::Unreadable(_)), "{line}");
+            assert_eq!((e.id.as_str(), e.channel.as_str()), (id, "temps"), "{line}");
+        }
+        // Ids and channels that are not valid are still left out.
+        let bad_channel = start.replace("temps", "a/b") + "{";
+        let e = decode_valid(bad_channel.as_bytes(), 1 << 20, NameKind::Channel)
+            .expect_err("does not decode");
+        assert_eq!((e.id.as_str(), e.channel.as_str()), (id, ""));
+        let e = decode_valid(b"{not json", 1 << 20, NameKind::Channel).expect_err("garbage");
+        assert_eq!((e.id.as_str(), e.channel.as_str()), ("", ""));
+    }
 
     #[test]
     fn names() {

@@ -69,6 +69,34 @@ pub(super) fn decode(line: &[u8]) -> Option<EnvelopeRef<'_>> {
     })
 }
 
+/// The id, channel and origin of `line` if its header starts in the
+/// canonical layout, up to the key after `origin`; nothing after that is
+/// read. For a sender that forwards lines as they are stored (its receiver
+/// checks the whole record), and to name a record that does not decode.
+pub(super) fn leading_fields(line: &[u8]) -> Option<(&str, &str, &str)> {
+    fn string<'a>(at: &mut &'a [u8]) -> Option<&'a [u8]> {
+        let len = plain_len(at)?;
+        let s = &at[..len];
+        *at = &at[len + 1..];
+        Some(s)
+    }
+    fn key(at: &mut &[u8], key: &[u8]) -> Option<()> {
+        *at = at.strip_prefix(key)?;
+        Some(())
+    }
+    let mut at = line.strip_prefix(HEAD)?;
+    let id = string(&mut at)?;
+    key(&mut at, b",\"ts\":\"")?;
+    string(&mut at)?;
+    key(&mut at, b",\"channel\":\"")?;
+    let channel = string(&mut at)?;
+    key(&mut at, b",\"origin\":\"")?;
+    let origin = string(&mut at)?;
+    key(&mut at, b",\"payload_type\":\"")?;
+    let text = |b| std::str::from_utf8(b).ok();
+    Some((text(id)?, text(channel)?, text(origin)?))
+}
+
 /// The length of `b` up to its first `"`, if no `\\` and no control
 /// character (below 0x20) comes before it: the text of a JSON string that
 /// needs no unescaping. Eight bytes per step: header strings are short, and
@@ -197,6 +225,39 @@ mod tests {
         let mut h = header(None, None);
         h.origin = "büro-ø";
         assert!(same_as_full(&line(&h, "{}")));
+    }
+
+    #[test]
+    fn leading_fields_read_from_the_header_match_the_full_decoder() {
+        for corr in [None, Some("k-1")] {
+            let mut h = header(corr, None);
+            h.origin = "büro-ø";
+            let l = line(&h, r#"{"x":1}"#);
+            let full = super::super::decode_full(&l).expect("decodes");
+            assert_eq!(
+                leading_fields(&l),
+                Some((&*full.id, &*full.channel, &*full.origin))
+            );
+        }
+        let ok = String::from_utf8(line(&header(None, None), r#"{"x":1}"#)).expect("utf-8");
+        // Not the canonical layout up to the key after `origin`: left to
+        // the full decoder.
+        for other in [
+            ok.replace("edge-1", r"edge\u003c1"),
+            ok.replace("\"v\":1", "\"v\": 1"),
+            ok.replace(",\"origin\"", ",\"extra\":0,\"origin\""),
+            ok.replace(",\"payload_type\"", " ,\"payload_type\""),
+            ok[..40].to_string(),
+        ] {
+            assert!(leading_fields(other.as_bytes()).is_none(), "{other}");
+        }
+        let mut bad_utf8 = ok.clone().into_bytes();
+        bad_utf8[HEAD.len()] = 0xff;
+        assert!(leading_fields(&bad_utf8).is_none());
+        // The payload is not read: the receiver checks it.
+        let broken = ok.replace("{\"x\":1}", "{\"x\":");
+        assert!(leading_fields(broken.as_bytes()).is_some());
+        assert!(decode(broken.as_bytes()).is_none());
     }
 
     #[test]
