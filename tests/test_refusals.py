@@ -196,9 +196,11 @@ def test_client_counts_warns_once_and_audits_records_the_hub_refuses(
 ) -> None:
     """Records in the client's own files that the hub finds invalid (here:
     payloads nested deeper than the limit, as a Go 1.4 writer sharing the data
-    directory could leave) are refused in the acknowledgement: kept on the
-    client, counted per (hub, channel), one warning per channel and
-    connection, one audit record each; the link carries on."""
+    directory could leave, and a payload cut short on disk) are refused in the
+    acknowledgement: kept on the client, counted per (hub, channel), one
+    warning per channel and connection, one audit record each; the link
+    carries on. The client reads only a record's id and origin to send it: the
+    hub's check of the whole record is what finds it invalid."""
     caplog.set_level(logging.WARNING)
     hub_dir, node_dir = tmp_path / "hub", tmp_path / "node1"
     hub = start(hub_config(pki, hub_dir, [peer("node1", publish=["temps"])]))
@@ -217,21 +219,25 @@ def test_client_counts_warns_once_and_audits_records_the_hub_refuses(
             rec = envelope("temps", "node1", 0).replace(b'"payload":0', b'"payload":' + deep)
             bad.append(msg_id(rec))
             f.write(rec + b"\n")
+        cut_id = "0197a3c5-5e21-7b4f-8c2d-00000000c0de"
+        cut = envelope("temps", "node1", 0, msg_id=cut_id)
+        f.write(cut.replace(b'"payload":0}', b'"payload":{"x":}') + b"\n")
+        bad.append(cut_id)
 
     client = start(cfg)
     wait_until(
-        lambda: client_status(client)["refused"] == {"temps": 3}, "three refusals counted"
+        lambda: client_status(client)["refused"] == {"temps": 4}, "four refusals counted"
     )
     last = client.publish("temps", "test.Reading", {"n": 2})
     wait_until(lambda: stored_ids(hub_dir, "temps") == [first, last], "the link carries on")
-    assert client.stats().federation.links[0].refused == {"temps": 3}
+    assert client.stats().federation.links[0].refused == {"temps": 4}
     refusals = audit_events(node_dir, "publish_refused", channel="temps")
     assert sorted(r["message_id"] for r in refusals) == sorted(bad)
     assert {r["detail"] for r in refusals} == {"reason=invalid"}
     assert not audit_events(node_dir, "forward", direction="outbound", message_id=bad[0])
     warned = [r for r in caplog.records if "refused records of channel" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in warned]
-    assert len(audit_events(hub_dir, "record_refused")) == 3
+    assert len(audit_events(hub_dir, "record_refused")) == 4
     kept = segment.read_bytes()
     assert all(mid.encode() in kept for mid in bad), "kept in the client's channel file"
 

@@ -88,10 +88,12 @@ impl OutChannel {
                 }
                 Item::Oversize { .. } => continue,
             };
-            let Ok(env) = EnvelopeRef::decode(&line) else {
+            // Only the id and origin are needed here: the receiver checks
+            // the whole record, and refuses it (counted, audited) if invalid.
+            let Some((id, origin)) = EnvelopeRef::id_and_origin(&line) else {
                 continue;
             };
-            if self.only_origin.as_ref().is_some_and(|o| *o != env.origin) {
+            if self.only_origin.as_ref().is_some_and(|o| *o != origin) {
                 continue;
             }
             if !ids.is_empty() && json_bytes + line.len() > max_bytes {
@@ -101,7 +103,7 @@ impl OutChannel {
             }
             push_record(&mut body, &line);
             json_bytes += line.len();
-            ids.push(&env.id);
+            ids.push(&id);
             if json_bytes >= max_bytes {
                 full = true;
                 break;
@@ -326,7 +328,14 @@ async fn receive_batch(
                     reason: reason.as_str().into(),
                 };
                 let why = invalid.error.to_string();
-                refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, &why);
+                if matches!(invalid.error, RecordError::Unreadable(_)) {
+                    // Named (from its leading fields) if it can be, but as in
+                    // 1.4 a record that does not parse leaves `last_id` alone.
+                    refuse(shared, inbound, &refused, &why);
+                    ack.refused.push(refused);
+                } else {
+                    refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, &why);
+                }
                 continue;
             }
         };
