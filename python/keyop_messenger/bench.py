@@ -96,6 +96,31 @@ def _rate(seconds: float, step: Callable[[], int]) -> Sample:
     return clock.sample(done)
 
 
+def _in_threads(
+    seconds: float, threads: int, burst: int, call: Callable[..., object], *args: object
+) -> Sample:
+    """Calls ``call(*args)`` from ``threads`` threads at once for ``seconds``
+    (the clock read once per ``burst`` calls); the calls per second of all."""
+    counts = [0] * threads
+    stop = time.perf_counter() + seconds
+
+    def worker(i: int) -> None:
+        n = 0
+        while time.perf_counter() < stop:
+            for _ in range(burst):
+                call(*args)
+            n += burst
+        counts[i] = n
+
+    clock = _Stopwatch()
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return clock.sample(sum(counts))
+
+
 class Suite:
     """Runs the measurements in a scratch directory."""
 
@@ -210,25 +235,7 @@ class Suite:
         threads at once: work that holds the GIL and does no I/O, like a relaxed
         publish. Several threads can only take turns, so the ratio of 16 threads to
         one is what CPython's GIL hand-offs leave to 16 relaxed publishers."""
-        dumps = json.dumps
-        counts = [0] * threads
-        stop = time.perf_counter() + self.seconds
-
-        def worker(i: int) -> None:
-            n = 0
-            while time.perf_counter() < stop:
-                for _ in range(100):
-                    dumps(PAYLOAD)
-                n += 100
-            counts[i] = n
-
-        clock = _Stopwatch()
-        pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-        return clock.sample(sum(counts))
+        return _in_threads(self.seconds, threads, 100, json.dumps, PAYLOAD)
 
     def gil_loop_ratio(self, threads: int = 16) -> float:
         """Median over ``runs`` pairs of :meth:`gil_loop` with ``threads`` threads
@@ -285,24 +292,7 @@ class Suite:
         # A relaxed publish takes microseconds: read the clock once per 100.
         burst = 1 if sync_interval_ms == 0 else 100
         with self.messenger(sync_interval_ms) as m:
-            counts = [0] * threads
-            stop = time.perf_counter() + self.seconds
-
-            def worker(i: int) -> None:
-                n = 0
-                while time.perf_counter() < stop:
-                    for _ in range(burst):
-                        m.publish("bench", TYPE, PAYLOAD)
-                    n += burst
-                counts[i] = n
-
-            clock = _Stopwatch()
-            pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-            for t in pool:
-                t.start()
-            for t in pool:
-                t.join()
-            return clock.sample(sum(counts))
+            return _in_threads(self.seconds, threads, burst, m.publish, "bench", TYPE, PAYLOAD)
 
     def publish_main_thread(self) -> Sample:
         """Durable publishes per second from the main thread (which waits for
