@@ -550,17 +550,22 @@ impl Engine {
         let mut line = Vec::with_capacity(200 + m.payload_json.len());
         let id = self.encode(&mut line, channel, m)?;
         let ticket = writer.submit_as(Cow::Borrowed(&line), 1, held)?;
-        self.on_commit(&ticket, channel, vec![id.clone()]);
+        self.on_commit(&ticket, channel, || vec![id.clone()]);
         Ok(Submitted { id, ticket })
     }
 
     /// What a commit of submitted records updates, as `publish` does after
     /// `append`: the publish latency, and (once committed) the ids marked
-    /// seen for federation.
-    fn on_commit(&self, ticket: &Ticket, channel: &str, ids: Vec<String>) {
+    /// seen for federation (`ids` is called only for a channel whose ids
+    /// are marked).
+    fn on_commit(&self, ticket: &Ticket, channel: &str, ids: impl FnOnce() -> Vec<String>) {
         let started = Instant::now();
         let stats = self.stats.clone();
         let seen = self.echo_window(channel).cloned();
+        let ids = match seen {
+            Some(_) => ids(),
+            None => Vec::new(),
+        };
         ticket.on_done(move |r| {
             stats.publish.record(started.elapsed());
             if let (Ok(_), Some(seen)) = (r, seen) {
@@ -630,11 +635,7 @@ impl Engine {
             return Ok(None);
         };
         let ticket = writer.submit(framed.buf, framed.ids.len() as u64)?;
-        let seen_ids = match self.echo_window(&framed.channel) {
-            Some(_) => framed.ids.to_vec(),
-            None => Vec::new(),
-        };
-        self.on_commit(&ticket, &framed.channel, seen_ids);
+        self.on_commit(&ticket, &framed.channel, || framed.ids.to_vec());
         Ok(Some(Submitted { id: last, ticket }))
     }
 
