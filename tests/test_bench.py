@@ -37,6 +37,27 @@ def test_median_is_taken_per_field() -> None:
     assert bench._median(3, lambda: next(runs)) == Sample(20.0, 2.0)
 
 
+def test_each_run_of_a_figure_deletes_its_data_directories(tmp_path: Path) -> None:
+    """A case's data does not outlive its run: the page cache stays as small
+    as one case needs (see Suite.sweep)."""
+    suite = Suite(tmp_path, 0.05, 3)
+    seen: list[Path] = []
+
+    def case() -> Sample:
+        with suite.messenger(200) as m:
+            m.publish("bench", bench.TYPE, bench.PAYLOAD)
+            data = Path(m.config.storage.data_dir)
+            assert any(data.rglob("*.jsonl"))
+        seen.append(data)
+        assert data.exists()  # closed, not yet swept
+        return Sample(1.0, 1.0)
+
+    assert suite.median(case) == Sample(1.0, 1.0)
+    assert len(seen) == 3 and len(set(seen)) == 3
+    assert not [d for d in seen if d.exists()]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_raw_fdatasync_probe_syncs_whole_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

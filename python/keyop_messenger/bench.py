@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import ssl
 import statistics
@@ -131,10 +132,36 @@ class Suite:
         self.results: dict[str, Any] = {}
         self.rows: list[tuple[str, str, str]] = []
         self._n = 0
+        self._made: list[Path] = []
 
     def _dir(self, name: str) -> str:
         self._n += 1
-        return str(self.root / f"{name}-{self._n}")
+        path = self.root / f"{name}-{self._n}"
+        self._made.append(path)
+        return str(path)
+
+    def sweep(self) -> None:
+        """Deletes the data directories made so far; call it with none of
+        them open. Kept for the whole run, they would grow the page cache by
+        gigabytes, and on a VM whose host takes freed guest memory back (free
+        page reporting), a page cache growing into memory the guest has not
+        touched lately pays a host fault per new page: the last write-heavy
+        cases then cost up to half again as much CPU per message
+        (docs/performance.md)."""
+        while self._made:
+            shutil.rmtree(self._made.pop(), ignore_errors=True)
+
+    def median(self, measure: Callable[[], Sample]) -> Sample:
+        """Field-wise median of ``runs`` runs of ``measure`` (which opens and
+        closes its own messengers), sweeping after each."""
+
+        def swept() -> Sample:
+            try:
+                return measure()
+            finally:
+                self.sweep()
+
+        return _median(self.runs, swept)
 
     def messenger(self, sync_interval_ms: int, **extra: Any) -> Any:
         """A messenger for one case, in a fresh data directory, with ``sync_interval_ms``; ``extra``
@@ -192,6 +219,7 @@ class Suite:
             return _rate(self.seconds, step)
         finally:
             os.close(fd)
+            path.unlink()
 
     def raw_write(self) -> Sample:
         """The floor under relaxed publish: a Python loop of 200-byte writes."""
@@ -770,7 +798,7 @@ def pinned_throughput(cpus: set[int], quick: bool) -> dict[str, Sample]:
             "federated_relaxed": lambda: suite.federated(pki, n, round_trips=False)[0],
         }
         assert measures.keys() == ONE_CORE_CASES.keys()
-        return {key: _median(runs, measure) for key, measure in measures.items()}
+        return {key: suite.median(measure) for key, measure in measures.items()}
 
 
 def _run_pinned(cpus: list[int], quick: bool) -> dict[str, Sample]:
@@ -828,12 +856,12 @@ def run(
     seconds, runs, n = _settings(quick)
     with tempfile.TemporaryDirectory(prefix="keyop-bench-", ignore_cleanup_errors=True) as d:
         suite = Suite(Path(d), seconds, runs)
-        raw = _median(runs, suite.raw_fdatasync)
+        raw = suite.median(suite.raw_fdatasync)
         suite.record("raw_fdatasync_per_s", raw.per_s, "raw write+fdatasync (200 B)",
                      "1.00 x raw")
         # The disk's own limit for 16 publishers: a 16-record batch per
         # fdatasync, which costs more than a one-record one (more pages).
-        raw16 = _median(runs, partial(suite.raw_fdatasync, 16))
+        raw16 = suite.median(partial(suite.raw_fdatasync, 16))
         suite.record("raw_fdatasync_16_records_per_s", raw16.per_s,
                      "raw write+fdatasync (16 x 200 B)",
                      f"{raw16.per_s / raw.per_s:.2f} x raw")
@@ -851,7 +879,7 @@ def run(
             # The ceiling takes the cheaper hand-off, so it holds wherever
             # the scheduler puts the publishers.
             handoff = min(handoff, one_cpu)
-        durable = {t: _median(runs, partial(suite.publish_threads, t)) for t in (1, 4, 16, 64)}
+        durable = {t: suite.median(partial(suite.publish_threads, t)) for t in (1, 4, 16, 64)}
         ceiling_16 = 16 * raw16.per_s / durable[1].per_s
         suite.value("publish_durable_16_disk_ceiling_ratio", ceiling_16, decimals=2)
         handoff_ceiling_16 = (group_commit_ceiling(raw.per_s, handoff, 16)
@@ -867,24 +895,24 @@ def run(
                           "target >= 10 x")
             suite.record(f"publish_durable_{threads}_per_s", rate.per_s,
                          f"durable publish, {threads} thread(s)", ratio)
-        _publish_without_blocking(suite, runs, durable[1])
-        batch = {s: _median(runs, partial(suite.publish_batch, s)) for s in (10, 100, 1000)}
+        _publish_without_blocking(suite, durable[1])
+        batch = {s: suite.median(partial(suite.publish_batch, s)) for s in (10, 100, 1000)}
         for size, rate in batch.items():
             suite.record(f"publish_batch_{size}_durable_per_s", rate.per_s,
                          f"durable publish_batch({size})", f"{rate.per_s / raw.per_s:.0f} x raw")
-        raw_write = _median(runs, suite.raw_write)
+        raw_write = suite.median(suite.raw_write)
         suite.record("raw_write_per_s", raw_write.per_s, "raw write loop from Python (200 B)",
                      "the floor under relaxed publish")
-        raw_json = _median(runs, suite.raw_json_write)
+        raw_json = suite.median(suite.raw_json_write)
         suite.record("raw_json_write_per_s", raw_json.per_s,
                      "json.dumps + write loop from Python",
                      "the least a Python publisher does per message")
-        relaxed = _median(runs, suite.publish_relaxed)
+        relaxed = suite.median(suite.publish_relaxed)
         suite.record("publish_relaxed_per_s", relaxed.per_s, "relaxed publish (sync 200 ms)",
                      f"{relaxed.per_s / raw_write.per_s:.2f} x raw write, "
                      f"{relaxed.per_s / raw_json.per_s:.1f} x json.dumps + write; "
                      "target >= 0.6 x raw write")
-        relaxed16 = _median(runs, partial(suite.publish_threads, 16, 200))
+        relaxed16 = suite.median(partial(suite.publish_threads, 16, 200))
         gil16 = suite.gil_loop_ratio()
         suite.record("python_gil_loop_16_ratio", gil16,
                      "16 threads of a GIL-holding Python loop / 1 thread",
@@ -893,11 +921,12 @@ def run(
                      "relaxed publish, 16 threads",
                      f"{relaxed16.per_s / relaxed.per_s:.2f} x 1 thread (the GIL-holding "
                      f"loop: {gil16:.2f} x); target >= 1")
-        sub = _median(runs, lambda: suite.subscribe_relaxed(n))
+        sub = suite.median(lambda: suite.subscribe_relaxed(n))
         suite.record("subscribe_relaxed_per_s", sub.per_s, "subscribe -> no-op handler",
                      "offsets persisted every 100 ms; target >= 2,000,000")
         for mode, interval in (("relaxed", 200), ("durable", 0)):
             p50, p99 = suite.local_latency(interval)
+            suite.sweep()
             suite.record(f"deliver_{mode}_p50_us", p50, f"publish -> callback p50, {mode} (us)")
             suite.record(f"deliver_{mode}_p99_us", p99, f"publish -> callback p99, {mode} (us)")
         pki = suite.pki()
@@ -905,6 +934,7 @@ def run(
         suite.record("raw_tls_echo_per_s", echo_rate, "raw loopback TLS echo (200 B)",
                      f"p50 {echo_p50:.0f} us")
         fed, rtt = suite.federated(pki, n)
+        suite.sweep()
         assert rtt is not None
         p50, p99 = rtt
         suite.record("federated_relaxed_per_s", fed.per_s, "federated client -> hub (relaxed)",
@@ -913,6 +943,7 @@ def run(
                      f"{p50 / echo_p50:.1f} x TLS echo; target < 1000")
         suite.record("federated_rtt_p99_us", p99, "federated round trip p99 (us)")
         gw = suite.gateway(pki, n)
+        suite.sweep()
         suite.record("gateway_publish_durable_requests_per_s", gw["requests_per_s"],
                      "gateway durable publish, 1 message per request (HTTPS, 1 client)",
                      f"{gw['requests_per_s'] / durable[1].per_s:.2f} x Python publish")
@@ -953,20 +984,20 @@ def run(
     return suite.results, suite.rows
 
 
-def _publish_without_blocking(suite: Suite, runs: int, one_thread: Sample) -> None:
+def _publish_without_blocking(suite: Suite, one_thread: Sample) -> None:
     """Durable publish from the main thread, pipelined, and from asyncio tasks."""
-    main = _median(runs, suite.publish_main_thread)
+    main = suite.median(suite.publish_main_thread)
     suite.record("publish_durable_main_thread_per_s", main.per_s,
                  "durable publish, main thread (Ctrl-C honoured)",
                  f"{main.per_s / one_thread.per_s:.2f} x 1 thread (a hand-off per commit)")
-    piped = _median(runs, suite.publish_pipelined)
+    piped = suite.median(suite.publish_pipelined)
     suite.record("publish_durable_pipelined_per_s", piped.per_s,
                  "durable publish(wait=False), 1 thread, 256 in flight",
                  f"{piped.per_s / one_thread.per_s:.1f} x 1 thread; target >= 10 x")
-    aio1 = _median(runs, partial(suite.publish_asyncio, 1))
+    aio1 = suite.median(partial(suite.publish_asyncio, 1))
     suite.record("publish_durable_asyncio_1_per_s", aio1.per_s,
                  "durable publish, 1 asyncio task", "")
-    aio16 = _median(runs, partial(suite.publish_asyncio, 16))
+    aio16 = suite.median(partial(suite.publish_asyncio, 16))
     suite.record("publish_durable_asyncio_16_per_s", aio16.per_s,
                  "durable publish, 16 asyncio tasks",
                  f"{aio16.per_s / aio1.per_s:.1f} x 1 task; target >= 10 x")
