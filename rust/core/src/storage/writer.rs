@@ -274,13 +274,24 @@ pub struct ChannelWriter {
 }
 
 /// A write taken by [`ChannelWriter::try_append_now`] that took longer than
-/// this pauses that path for [`NOW_PAUSE`], doubled for each such write in a
-/// row (up to 64 times). Dirty-page throttling sleeps 10-200 ms. An ordinary
-/// write stalls for a few milliseconds now and then (the periodic fdatasync
-/// of the same file), no longer than a Python thread may hold the GIL
-/// anyway (its switch interval is 5 ms), and must not turn the path off.
+/// this is slow. The second slow write in a row pauses that path for
+/// [`NOW_PAUSE`], and each further one doubles the pause (up to 64 times):
+/// dirty-page throttling sleeps 10-200 ms on every write. A slow write alone
+/// is left be: an ordinary write stalls now and then (the periodic fdatasync
+/// of the same file, the VM's CPU taken away for a moment), and with many
+/// Python threads a second on the queued path costs a GIL hand-off per
+/// message (16 threads lost a third of their rate to one such pause in a
+/// two-second run).
 const NOW_SLOW: Duration = Duration::from_millis(10);
 const NOW_PAUSE: Duration = Duration::from_secs(1);
+
+/// How long [`ChannelWriter::try_append_now`] pauses after a slow write
+/// that had `before` slow ones in a row before it: not at all after the
+/// first.
+fn now_pause(before: u32) -> Option<Duration> {
+    let doublings = before.checked_sub(1)?.min(6);
+    Some(NOW_PAUSE * (1 << doublings))
+}
 
 fn io_err(context: String, e: io::Error) -> StorageError {
     StorageError::Io {
@@ -502,8 +513,8 @@ impl ChannelWriter {
     ///
     /// For callers that hold a lock of their own which others wait for (the
     /// GIL) and must not hold it across a wait: a write into the page cache
-    /// is a copy, but one that stalls past [`NOW_SLOW`] (dirty-page
-    /// throttling) turns this path off for a while, so a slow disk costs the
+    /// is a copy, but two in a row that stall past [`NOW_SLOW`] (dirty-page
+    /// throttling) turn this path off for a while, so a slow disk costs the
     /// held lock rarely, not per append.
     pub fn try_append_now(
         &self,
@@ -560,11 +571,13 @@ impl ChannelWriter {
         }
         let took = started.elapsed();
         if took > NOW_SLOW {
-            // Each slow write in a row doubles the pause, so a disk that
-            // stays slow costs a held lock ever more rarely.
-            let streak = self.now_slow_streak.fetch_add(1, Ordering::Relaxed).min(6);
-            let until = since_open(started + took + NOW_PAUSE * (1 << streak));
-            self.now_paused_until.store(until, Ordering::Relaxed);
+            // Each slow write in a row after the first doubles the pause, so
+            // a disk that stays slow costs a held lock ever more rarely.
+            let before = self.now_slow_streak.fetch_add(1, Ordering::Relaxed);
+            if let Some(pause) = now_pause(before) {
+                let until = since_open(started + took + pause);
+                self.now_paused_until.store(until, Ordering::Relaxed);
+            }
         } else if self.now_slow_streak.load(Ordering::Relaxed) != 0 {
             self.now_slow_streak.store(0, Ordering::Relaxed);
         }

@@ -251,6 +251,37 @@ fn try_append_now_declines_rather_than_wait() {
     assert!(matches!(w.append(b"z\n", 1), Err(StorageError::Closed(_))));
 }
 
+/// A slow write alone leaves the in-place path on; a second in a row
+/// pauses it, for longer with each further one; a fast write ends the run.
+#[test]
+fn try_append_now_pauses_after_two_slow_writes_in_a_row() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let w = open_writer(tmp.path(), false);
+    // A `started` this far back makes the write count as slow.
+    let slow = || Instant::now() - NOW_SLOW * 2;
+    let paused = |w: &ChannelWriter| w.try_append_now(b"p\n", 1, Instant::now()).is_none();
+
+    assert!(w.try_append_now(b"a\n", 1, slow()).is_some());
+    assert!(!paused(&w), "one slow write alone pauses nothing");
+    // That fast write ended the run: the next slow one is alone again.
+    assert!(w.try_append_now(b"b\n", 1, slow()).is_some());
+    assert!(w.try_append_now(b"c\n", 1, slow()).is_some());
+    assert!(paused(&w), "the second slow write in a row pauses the path");
+    let until = w.now_paused_until.load(Ordering::Relaxed);
+    let since_open = |t: Instant| t.duration_since(w.opened).as_nanos() as u64;
+    assert!(until >= since_open(Instant::now()) + (NOW_PAUSE / 2).as_nanos() as u64);
+    // Declined, nothing queued: `append` still works meanwhile.
+    assert!(w.lock().groups.is_empty());
+    w.append(b"d\n", 1).expect("append while paused");
+
+    assert_eq!(now_pause(0), None);
+    assert_eq!(now_pause(1), Some(NOW_PAUSE));
+    assert_eq!(now_pause(2), Some(NOW_PAUSE * 2));
+    assert_eq!(now_pause(7), Some(NOW_PAUSE * 64));
+    assert_eq!(now_pause(u32::MAX), Some(NOW_PAUSE * 64));
+    assert_eq!(segment_text(tmp.path()), "a\np\nb\nc\nd\n");
+}
+
 /// A segment roll fsyncs the sealed segment: that is left to `append`.
 #[test]
 fn try_append_now_leaves_a_segment_roll_to_append() {
