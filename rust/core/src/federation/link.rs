@@ -11,16 +11,17 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, Mutex};
-use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::{Bytes, Message};
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
+use super::buffers::{Pooled, POOL};
 use super::ids::IdList;
 use super::status::{LinkStatus, RefusalReason};
 use super::wire::{push_record, split_batch, Ack, Refused};
@@ -70,7 +71,7 @@ impl OutChannel {
     /// `max_bytes` (the first one always goes).
     fn read_batch(&mut self, max_bytes: usize) -> std::io::Result<Batch> {
         let limit = self.writer.committed_end();
-        let mut body = Vec::new();
+        let mut body = POOL.take();
         let mut ids = IdList::default();
         let mut json_bytes = 0;
         let mut gaps = Vec::new();
@@ -409,10 +410,19 @@ async fn receive_batch(
             let n = group.ids.len() as u64;
             let ch = group.channel.clone();
             let lines = std::mem::take(&mut group.lines);
-            let committed =
-                tokio::task::spawn_blocking(move || store.writer(&ch)?.append(lines, n))
-                    .await
-                    .map_err(|e| format!("store task failed: {e}"))?;
+            let committed = tokio::task::spawn_blocking(move || {
+                let writer = store.writer(&ch)?;
+                // A relaxed writer that is idle writes from this buffer,
+                // which then serves the next batch; otherwise it is moved
+                // into the writer's queue.
+                if let Some((done, _)) = writer.try_append_now(&lines, n, Instant::now()) {
+                    POOL.give(lines);
+                    return done;
+                }
+                writer.append(lines, n)
+            })
+            .await
+            .map_err(|e| format!("store task failed: {e}"))?;
             if let Err(e) = committed {
                 return Err(format!(
                     "cannot store {n} records on channel {:?}: {e}",
@@ -494,7 +504,7 @@ impl<'a> Claimed<'a> {
             None => {
                 self.groups.push(Group {
                     channel: channel.to_owned(),
-                    lines: Vec::new(),
+                    lines: POOL.take(),
                     ids: IdList::default(),
                 });
                 self.groups.len() - 1
@@ -603,7 +613,7 @@ where
                         .store(batch.body.len() as u64, Ordering::Relaxed);
                 }
                 let full = batch.full;
-                let msg = Message::Binary(batch.body.into());
+                let msg = Message::Binary(Bytes::from_owner(Pooled::new(batch.body, &POOL)));
                 if let Err(e) = sink.lock().await.send(msg).await {
                     cancel.cancel();
                     return Some(format!("cannot send a batch: {e}"));
@@ -668,6 +678,8 @@ where
             }
             continue;
         }
+        // Nothing to send: batch buffers unused for a while go.
+        POOL.trim();
         let waits: Vec<_> = chans
             .iter()
             .map(|c| Box::pin(c.writer.notifier().changed_past(c.reader.position())))

@@ -8,6 +8,7 @@
 //! locally published messages from `hub-<addr>.offset`, so nothing published
 //! while a link is down is lost.
 
+pub mod buffers;
 pub mod client;
 pub mod conns;
 pub mod ephemeral;
