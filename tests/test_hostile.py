@@ -649,6 +649,29 @@ def test_unreadable_records_are_skipped_and_the_rest_stored(hub: Hub, pki: PKI) 
     hub.assert_confined(channels={"temps"}, cursors={"cmds/fed-node1"})
 
 
+def test_a_batch_of_many_chunks_is_checked_as_a_whole(hub: Hub, pki: PKI) -> None:
+    """The hub decodes, checks and claims a large batch a chunk of 512 records
+    at a time: a record repeated in later chunks is stored once, a refusal in
+    any chunk is audited, and the acknowledgement names the batch's last
+    record that counts."""
+    records = [envelope("temps", "node1", {"n": i}) for i in range(1300)]
+    again = records[100]  # chunk 0, sent again in chunks 1 and 2
+    secret = envelope("secret", "node1", {"t": 1})  # node1 may not publish it
+    sent = [*records[:700], again, secret, *records[700:1200], again, *records[1200:]]
+    with RawPeer(hub.port, pki["node1"], pki.ca) as raw:
+        raw.handshake("node1")
+        raw.send_binary(batch(*sent))
+        assert raw.recv_text() == ack_of(rid_of(records[-1]))
+        # Last in a batch of its own chunks, the refused one is named.
+        raw.send_binary(batch(*records[:600], secret))
+        assert raw.recv_text() == ack_of(rid_of(secret))
+    assert raw_records(hub.dir, "temps") == records
+    (violation, _again) = audit_events(hub.dir, "policy_violation")
+    assert (violation["channel"], violation["message_id"]) == ("secret", rid_of(secret))
+    inbound = [r["message_id"] for r in audit_events(hub.dir, "forward", direction="inbound")]
+    assert inbound == [rid_of(r) for r in records]
+
+
 BAD_CHANNELS = [
     "../x",
     "../../escape",

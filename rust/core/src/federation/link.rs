@@ -298,111 +298,124 @@ async fn receive_batch(
 ) -> Result<Ack, String> {
     let records = split_batch(body).map_err(|e| e.to_string())?;
     let limit = shared.link.max_batch_bytes.max(MAX_RECORD_BYTES - 1);
-    let decoded: Vec<_> = records
-        .iter()
-        .map(|rec| decode_valid_ref(rec, limit, NameKind::Channel))
-        .collect();
-    // The dedup window is asked and claimed once per batch, not per record:
-    // its lock is shared by every receiver and local publisher.
-    let mut seen_before = shared
-        .seen
-        .contains_each(decoded.iter().filter_map(|d| Some(&*d.as_ref().ok()?.id)))
-        .into_iter();
     let mut ack = Ack::default();
     let mut in_batch: FastSet<Cow<str>> = FastSet::default();
-    // Records to claim, in batch order.
-    let mut wanted: Vec<Wanted> = Vec::new();
+    // Channels of the records wanted so far (for the channel budget).
+    let mut channels: FastSet<Cow<str>> = FastSet::default();
     // Whether the last record that counts for the acknowledgement is the
-    // last of `wanted` (else a refused one set `ack.last_id`).
+    // last one wanted (else a refused one set `ack.last_id`).
     let mut last_wanted = false;
-    for (rec, env) in records.iter().zip(decoded) {
-        let env = match env {
-            Ok(env) => env,
-            Err(invalid) => {
-                let reason = match invalid.error {
-                    RecordError::TooLarge { .. } => RefusalReason::TooLarge,
-                    _ => RefusalReason::Invalid,
-                };
-                let refused = Refused {
-                    id: invalid.id,
-                    channel: invalid.channel,
-                    reason: reason.as_str().into(),
-                };
-                let why = invalid.error.to_string();
-                if matches!(invalid.error, RecordError::Unreadable(_)) {
-                    // Named (from its leading fields) if it can be, but as in
-                    // 1.4 a record that does not parse leaves `last_id` alone.
-                    refuse(shared, inbound, &refused, &why);
-                    ack.refused.push(refused);
-                } else {
-                    refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, &why);
-                }
-                continue;
-            }
-        };
-        let seen = seen_before.next().unwrap_or(false);
-        if seen || in_batch.contains(&*env.id) {
-            continue;
-        }
-        // Peers may not write dead letters into a hub: those are only made
-        // by a subscriber on the instance that holds the channel.
-        let allowed = (inbound.dead_letters
-            || validate_name(NameKind::PublishChannel, &env.channel).is_ok())
-            && inbound
-                .allow
-                .as_ref()
-                .is_none_or(|a| a.contains(&*env.channel));
-        if !allowed {
-            let refused = Refused::of(&env.id, &env.channel, RefusalReason::Policy);
-            let why = "channel not allowed for this peer";
-            refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, why);
-            continue;
-        }
-        if let Some(budget) = &inbound.channel_budget {
-            let is_new = !wanted.iter().any(|w| w.channel == env.channel)
-                && !shared
-                    .store
-                    .channel_dir(&env.channel)
-                    .is_ok_and(|d| d.is_dir());
-            if is_new && !budget.try_create(&env.channel) {
-                let refused = Refused::of(&env.id, &env.channel, RefusalReason::ChannelLimit);
-                let why = "the peer's max_channels is reached";
-                refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, why);
-                continue;
-            }
-        }
-        // Store the received bytes verbatim unless they are not one line.
-        let line: Cow<[u8]> = match rec.contains(&b'\n') || rec.contains(&b'\r') {
-            true => Cow::Owned(env.encode()),
-            false => Cow::Borrowed(rec),
-        };
-        in_batch.insert(env.id.clone());
-        last_wanted = true;
-        wanted.push(Wanted {
-            channel: env.channel,
-            line,
-            id: env.id,
-        });
-    }
-    if last_wanted {
-        ack.last_id = wanted.last().map(|w| w.id.to_string()).unwrap_or_default();
-    }
-    let claims = shared.seen.claim_each(wanted.iter().map(|w| &*w.id));
+    let mut last_wanted_id = Cow::Borrowed("");
     // Claims this batch holds, per channel, settled as failed if it returns
     // early; records another connection is storing at the same moment.
     let mut mine = Claimed::new(&shared.seen);
     let mut pending: Vec<(String, Vec<u8>, String, PendingOutcome)> = Vec::new();
-    for (Wanted { channel, line, id }, claim) in wanted.into_iter().zip(claims) {
-        match claim {
-            Claim::Seen => {}
-            Claim::Pending(rx) => pending.push((
-                channel.into_owned(),
-                Line(&line).to_vec(),
-                id.into_owned(),
-                rx,
-            )),
-            Claim::Mine => mine.add(&channel, Line(&line), &id),
+    // A chunk's records, decoded, then those to claim, in batch order: a
+    // whole batch's would take megabytes, mapped and faulted in afresh for
+    // each batch.
+    let mut decoded = Vec::with_capacity(DECODE_CHUNK);
+    let mut wanted: Vec<Wanted> = Vec::with_capacity(DECODE_CHUNK);
+    for chunk in records.chunks(DECODE_CHUNK) {
+        decoded.extend(
+            chunk
+                .iter()
+                .map(|rec| decode_valid_ref(rec, limit, NameKind::Channel)),
+        );
+        // The dedup window is asked and claimed once per chunk, not per
+        // record: its lock is shared by every receiver and local publisher.
+        let mut seen_before = shared
+            .seen
+            .contains_each(decoded.iter().filter_map(|d| Some(&*d.as_ref().ok()?.id)))
+            .into_iter();
+        for (rec, env) in chunk.iter().zip(decoded.drain(..)) {
+            let env = match env {
+                Ok(env) => env,
+                Err(invalid) => {
+                    let reason = match invalid.error {
+                        RecordError::TooLarge { .. } => RefusalReason::TooLarge,
+                        _ => RefusalReason::Invalid,
+                    };
+                    let refused = Refused {
+                        id: invalid.id,
+                        channel: invalid.channel,
+                        reason: reason.as_str().into(),
+                    };
+                    let why = invalid.error.to_string();
+                    if matches!(invalid.error, RecordError::Unreadable(_)) {
+                        // Named (from its leading fields) if it can be, but as in
+                        // 1.4 a record that does not parse leaves `last_id` alone.
+                        refuse(shared, inbound, &refused, &why);
+                        ack.refused.push(refused);
+                    } else {
+                        refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, &why);
+                    }
+                    continue;
+                }
+            };
+            let seen = seen_before.next().unwrap_or(false);
+            if seen || in_batch.contains(&*env.id) {
+                continue;
+            }
+            // Peers may not write dead letters into a hub: those are only made
+            // by a subscriber on the instance that holds the channel.
+            let allowed = (inbound.dead_letters
+                || validate_name(NameKind::PublishChannel, &env.channel).is_ok())
+                && inbound
+                    .allow
+                    .as_ref()
+                    .is_none_or(|a| a.contains(&*env.channel));
+            if !allowed {
+                let refused = Refused::of(&env.id, &env.channel, RefusalReason::Policy);
+                let why = "channel not allowed for this peer";
+                refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, why);
+                continue;
+            }
+            if let Some(budget) = &inbound.channel_budget {
+                let is_new = !channels.contains(&*env.channel)
+                    && !shared
+                        .store
+                        .channel_dir(&env.channel)
+                        .is_ok_and(|d| d.is_dir());
+                if is_new && !budget.try_create(&env.channel) {
+                    let refused = Refused::of(&env.id, &env.channel, RefusalReason::ChannelLimit);
+                    let why = "the peer's max_channels is reached";
+                    refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, why);
+                    continue;
+                }
+            }
+            // Store the received bytes verbatim unless they are not one line.
+            let line: Cow<[u8]> = match rec.contains(&b'\n') || rec.contains(&b'\r') {
+                true => Cow::Owned(env.encode()),
+                false => Cow::Borrowed(rec),
+            };
+            in_batch.insert(env.id.clone());
+            last_wanted = true;
+            last_wanted_id.clone_from(&env.id);
+            if inbound.channel_budget.is_some() && !channels.contains(&*env.channel) {
+                channels.insert(env.channel.clone());
+            }
+            wanted.push(Wanted {
+                channel: env.channel,
+                line,
+                id: env.id,
+            });
         }
+        let claims = shared.seen.claim_each(wanted.iter().map(|w| &*w.id));
+        for (Wanted { channel, line, id }, claim) in wanted.drain(..).zip(claims) {
+            match claim {
+                Claim::Seen => {}
+                Claim::Pending(rx) => pending.push((
+                    channel.into_owned(),
+                    Line(&line).to_vec(),
+                    id.into_owned(),
+                    rx,
+                )),
+                Claim::Mine => mine.add(&channel, Line(&line), &id),
+            }
+        }
+    }
+    if last_wanted {
+        ack.last_id = last_wanted_id.into_owned();
     }
     loop {
         for group in &mut mine.groups {
@@ -465,6 +478,9 @@ async fn receive_batch(
 }
 
 type PendingOutcome = tokio::sync::watch::Receiver<Option<bool>>;
+
+/// Records of a received batch decoded, checked and claimed at a time.
+const DECODE_CHUNK: usize = 512;
 
 /// A received record that passed the checks, to be claimed and stored:
 /// borrowed from the batch as far as possible.
