@@ -51,10 +51,13 @@ impl Pool {
     }
 
     /// Keeps `buf`, emptied, for a later [`take`](Pool::take), if it is
-    /// large enough to be worth it, not too large, and fewer than [`KEPT`]
+    /// large enough to be worth it, not too large, at least a quarter full
+    /// (a buffer left over from a burst, now carrying small batches, goes:
+    /// its pages stay resident while it is kept), and fewer than [`KEPT`]
     /// are kept.
     pub fn give(&self, mut buf: Vec<u8>) {
-        if !(MIN_BYTES..=MAX_BYTES).contains(&buf.capacity()) {
+        let cap = buf.capacity();
+        if !(MIN_BYTES..=MAX_BYTES).contains(&cap) || buf.len() < cap / 4 {
             return;
         }
         buf.clear();
@@ -116,15 +119,23 @@ impl Drop for Pooled {
 mod tests {
     use super::*;
 
+    /// A buffer of `len` bytes, filled.
+    fn full(len: usize) -> Vec<u8> {
+        vec![b'x'; len]
+    }
+
     #[test]
     fn large_buffers_come_back_emptied_and_small_or_huge_ones_do_not() {
         let pool = Pool::new();
         let mut buf = Vec::with_capacity(MIN_BYTES * 2);
-        buf.extend_from_slice(b"left over");
+        buf.resize(MIN_BYTES / 2, b'x');
         let at = buf.as_ptr();
         pool.give(buf);
-        pool.give(Vec::with_capacity(MIN_BYTES - 1));
-        pool.give(Vec::with_capacity(MAX_BYTES + 1));
+        pool.give(full(MIN_BYTES - 1));
+        pool.give(full(MAX_BYTES + 1));
+        let mut sparse = Vec::with_capacity(MIN_BYTES * 4);
+        sparse.resize(MIN_BYTES - 1, b'x'); // under a quarter: its pages would idle
+        pool.give(sparse);
         assert_eq!(pool.kept_bytes(), MIN_BYTES * 2);
         let again = pool.take();
         assert_eq!(
@@ -143,7 +154,7 @@ mod tests {
     fn at_most_kept_buffers_stay_and_trim_drops_the_idle_ones() {
         let pool = Pool::new();
         for _ in 0..KEPT + 2 {
-            pool.give(Vec::with_capacity(MIN_BYTES));
+            pool.give(full(MIN_BYTES));
         }
         assert_eq!(pool.kept_bytes(), KEPT * MIN_BYTES);
         pool.trim();
@@ -151,7 +162,9 @@ mod tests {
         for (_, at) in pool.free().iter_mut() {
             *at -= IDLE;
         }
-        pool.give(pool.take()); // used again: given back now
+        let mut again = pool.take();
+        again.resize(MIN_BYTES, b'x');
+        pool.give(again); // used again: given back now
         pool.trim();
         assert_eq!(pool.kept_bytes(), MIN_BYTES, "only the one used since");
     }
@@ -159,13 +172,13 @@ mod tests {
     #[test]
     fn a_pooled_buffer_goes_back_when_its_last_bytes_drop() {
         static POOL: Pool = Pool::new();
-        let mut buf = Vec::with_capacity(MIN_BYTES);
-        buf.extend_from_slice(b"a batch");
+        let mut buf = full(MIN_BYTES);
+        buf[..7].copy_from_slice(b"a batch");
         let bytes = tokio_tungstenite::tungstenite::Bytes::from_owner(Pooled::new(buf, &POOL));
         let clone = bytes.clone();
         drop(bytes);
         assert_eq!(POOL.kept_bytes(), 0, "still referenced");
-        assert_eq!(&clone[..], b"a batch");
+        assert_eq!(&clone[..7], b"a batch");
         drop(clone);
         assert_eq!(POOL.kept_bytes(), MIN_BYTES);
         assert_eq!(POOL.take().len(), 0, "emptied");
