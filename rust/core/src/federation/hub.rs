@@ -265,10 +265,12 @@ async fn trim_loop(state: Arc<HubState>) {
             _ = state.shared.cancel.cancelled() => return,
             _ = tokio::time::sleep(TRIM_INTERVAL) => {}
         }
-        super::buffers::POOL.trim();
         let closed = state.conns.take_closed();
-        let _ =
-            tokio::task::spawn_blocking(move || crate::memtrim::trim_if_requested(closed)).await;
+        let _ = tokio::task::spawn_blocking(move || {
+            super::buffers::POOL.trim();
+            crate::memtrim::trim_if_requested(closed)
+        })
+        .await;
     }
 }
 
