@@ -6,8 +6,8 @@
 //! large is mapped on its own (above the mmap threshold, see `memtrim`):
 //! each of its pages is faulted in, and the whole is unmapped after, about a
 //! thousand page faults per 4 MiB batch on each side. Such buffers come back
-//! here instead ([`POOL`]), at most [`KEPT`] of them, and [`Pool::trim`] lets go of those
-//! unused for [`IDLE`], so a process that stopped forwarding holds none.
+//! here instead ([`POOL`]), at most `KEPT` of them, and [`Pool::trim`] lets go of those
+//! unused for `IDLE`, so a process that stopped forwarding holds none.
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -23,7 +23,7 @@ const MIN_BYTES: usize = 128 * 1024;
 const MAX_BYTES: usize = 16 * 1024 * 1024;
 
 /// A kept buffer unused this long goes at the next [`Pool::trim`].
-pub const IDLE: Duration = Duration::from_secs(1);
+const IDLE: Duration = Duration::from_secs(1);
 
 /// Kept buffers, each with the time it was given back.
 #[derive(Default)]
@@ -53,7 +53,7 @@ impl Pool {
     /// Keeps `buf`, emptied, for a later [`take`](Pool::take), if it is
     /// large enough to be worth it, not too large, at least a quarter full
     /// (a buffer left over from a burst, now carrying small batches, goes:
-    /// its pages stay resident while it is kept), and fewer than [`KEPT`]
+    /// its pages stay resident while it is kept), and fewer than `KEPT`
     /// are kept.
     pub fn give(&self, mut buf: Vec<u8>) {
         let cap = buf.capacity();
@@ -67,7 +67,7 @@ impl Pool {
         }
     }
 
-    /// Lets go of the buffers given back more than [`IDLE`] ago (freed
+    /// Lets go of the buffers given back more than `IDLE` ago (freed
     /// after the lock is released).
     pub fn trim(&self) {
         let now = Instant::now();
@@ -83,7 +83,8 @@ impl Pool {
     }
 
     /// Bytes kept now.
-    pub fn kept_bytes(&self) -> usize {
+    #[cfg(test)]
+    fn kept_bytes(&self) -> usize {
         self.free().iter().map(|(buf, _)| buf.capacity()).sum()
     }
 }

@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
@@ -428,7 +428,7 @@ async fn receive_batch(
                 // A relaxed writer that is idle writes from this buffer,
                 // which then serves the next batch; otherwise it is moved
                 // into the writer's queue.
-                if let Some((done, _)) = writer.try_append_now(&lines, n, Instant::now()) {
+                if let Some(done) = writer.append_if_idle(&lines, n) {
                     POOL.give(lines);
                     return done;
                 }

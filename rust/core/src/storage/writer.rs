@@ -522,12 +522,38 @@ impl ChannelWriter {
         count: u64,
         started: Instant,
     ) -> Option<(Result<Appended, StorageError>, Duration)> {
-        debug_assert!(records.ends_with(b"\n"));
-        if self.cfg.durable || self.has_faults.load(Ordering::Relaxed) {
-            return None;
-        }
         let since_open = |t: Instant| t.duration_since(self.opened).as_nanos() as u64;
         if since_open(started) < self.now_paused_until.load(Ordering::Relaxed) {
+            return None;
+        }
+        let result = self.append_if_idle(records, count)?;
+        let took = started.elapsed();
+        if took > NOW_SLOW {
+            // Each slow write in a row after the first doubles the pause, so
+            // a disk that stays slow costs a held lock ever more rarely.
+            let before = self.now_slow_streak.fetch_add(1, Ordering::Relaxed);
+            if let Some(pause) = now_pause(before) {
+                let until = since_open(started + took + pause);
+                self.now_paused_until.store(until, Ordering::Relaxed);
+            }
+        } else if self.now_slow_streak.load(Ordering::Relaxed) != 0 {
+            self.now_slow_streak.store(0, Ordering::Relaxed);
+        }
+        Some((result, took))
+    }
+
+    /// Relaxed mode: appends `records` here and now if the writer is idle,
+    /// as [`ChannelWriter::try_append_now`] does, but for a caller that holds
+    /// no lock others wait for (a hub storing a received batch from its
+    /// own buffer): its writes neither consult nor feed that path's
+    /// slow-write pause. `None` means nothing was done; call `append`.
+    pub fn append_if_idle(
+        &self,
+        records: &[u8],
+        count: u64,
+    ) -> Option<Result<Appended, StorageError>> {
+        debug_assert!(records.ends_with(b"\n"));
+        if self.cfg.durable || self.has_faults.load(Ordering::Relaxed) {
             return None;
         }
         let mut guard = self.state.try_lock().ok()?;
@@ -569,23 +595,10 @@ impl ChannelWriter {
         if done {
             self.notifier.publish(end);
         }
-        let took = started.elapsed();
-        if took > NOW_SLOW {
-            // Each slow write in a row after the first doubles the pause, so
-            // a disk that stays slow costs a held lock ever more rarely.
-            let before = self.now_slow_streak.fetch_add(1, Ordering::Relaxed);
-            if let Some(pause) = now_pause(before) {
-                let until = since_open(started + took + pause);
-                self.now_paused_until.store(until, Ordering::Relaxed);
-            }
-        } else if self.now_slow_streak.load(Ordering::Relaxed) != 0 {
-            self.now_slow_streak.store(0, Ordering::Relaxed);
-        }
-        let result = written.map(|()| Appended {
+        Some(written.map(|()| Appended {
             offset,
             end: offset + records.len() as u64,
-        });
-        Some((result, took))
+        }))
     }
 
     /// Counts one finished batch: `(records, appends, bytes)` committed, and

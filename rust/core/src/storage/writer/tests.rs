@@ -282,6 +282,26 @@ fn try_append_now_pauses_after_two_slow_writes_in_a_row() {
     assert_eq!(segment_text(tmp.path()), "a\np\nb\nc\nd\n");
 }
 
+/// `append_if_idle` (a hub storing a batch) writes while the in-place path
+/// is paused, and however long its writes take, never pauses it.
+#[test]
+fn append_if_idle_neither_heeds_nor_feeds_the_pause() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let w = open_writer(tmp.path(), false);
+    w.now_paused_until.store(u64::MAX, Ordering::Relaxed);
+    let at = w.append_if_idle(b"a\n", 1).expect("idle").expect("written");
+    assert_eq!((at.offset, at.end), (0, 2));
+    w.now_paused_until.store(0, Ordering::Relaxed);
+    w.now_slow_streak.store(5, Ordering::Relaxed);
+    w.append_if_idle(b"b\n", 1).expect("idle").expect("written");
+    assert_eq!(w.now_slow_streak.load(Ordering::Relaxed), 5);
+    assert_eq!(w.now_paused_until.load(Ordering::Relaxed), 0);
+    // Durable mode leaves it to `append` (an fdatasync is due).
+    let durable = open_writer(&tmp.path().join("d"), true);
+    assert!(durable.append_if_idle(b"x\n", 1).is_none());
+    assert_eq!(segment_text(tmp.path()), "a\nb\n");
+}
+
 /// A segment roll fsyncs the sealed segment: that is left to `append`.
 #[test]
 fn try_append_now_leaves_a_segment_roll_to_append() {
