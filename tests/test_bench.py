@@ -84,6 +84,11 @@ def test_group_commit_ceiling_takes_the_better_of_its_two_shapes() -> None:
     assert bench.group_commit_ceiling(1000, 8.0, 16) == pytest.approx(16e6 / 1128)
     # Free hand-offs: 16 records per fdatasync.
     assert bench.group_commit_ceiling(1000, 0.0, 16) == pytest.approx(16_000)
+    # A 16-record fdatasync slower than a one-record one (1.2 ms against
+    # 1 ms): the batch of all 16 pays that; two batches of 8 would pay at
+    # least a one-record fdatasync each.
+    assert bench.group_commit_ceiling(1000, 8.0, 16, 1e6 / 1200) == pytest.approx(16e6 / 1328)
+    assert bench.group_commit_ceiling(8000, 1.0, 16, 4000) == pytest.approx(64_000)
 
 
 def test_thread_handoff_probe_ends_its_ring(tmp_path: Path) -> None:
@@ -173,6 +178,7 @@ def test_quick_bench_prints_every_figure() -> None:
         "cpu_us_per_msg_publish_durable",
         "cpu_us_per_msg_subscribe",
         "cpu_us_per_msg_federated",
+        "federated_cpu_ceiling_per_s",
         "rss_idle_client_small_mb",
         "raw_fdatasync_16_records_per_s",
         "publish_durable_16_disk_ceiling_ratio",
