@@ -14,7 +14,7 @@ help:
 	@echo "make test         cargo test -p keyop-core, then pytest (tests/, README.md, docs/)"
 	@echo "make test-python  pytest only"
 	@echo "make lint         lint-rust + lint-python"
-	@echo "make lint-rust    cargo fmt --check, cargo clippy -D warnings"
+	@echo "make lint-rust    cargo fmt --check, cargo clippy and cargo doc -D warnings"
 	@echo "make lint-python  ruff (pydocstyle included), mypy.stubtest of the extension"
 	@echo "make typecheck    README/docs python blocks under basedpyright --strict and mypy --strict"
 	@echo "make docs         mkdocs build --strict into site/"
@@ -38,6 +38,7 @@ lint: lint-rust lint-python
 lint-rust:
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 
 lint-python:
 	$(PY) -m ruff check python tests benches examples conftest.py

@@ -895,8 +895,8 @@ impl<'a> EnvelopeRef<'a> {
 
     /// Decodes one line (without its `\n`) as [`Envelope::decode`] does,
     /// borrowing what needs no unescaping. A line in the layout every writer
-    /// produces is read without a JSON parser over its header
-    /// ([`canonical`]); any other goes through the full decoder.
+    /// produces is read without a JSON parser over its header (the
+    /// `canonical` module); any other goes through the full decoder.
     pub fn decode(line: &'a [u8]) -> Result<EnvelopeRef<'a>, DecodeError> {
         match canonical::decode(line) {
             Some(e) => Ok(e),

@@ -14,7 +14,7 @@
 //! publishers share one fsync instead of paying N.
 //!
 //! Wake-ups are what limit group commit on few cores, so each batch has its
-//! own wait word ([`Slot`]): finishing a batch wakes only its callers, one
+//! own wait word (a `Slot`): finishing a batch wakes only its callers, one
 //! after another (each passes the wake-up on), and they read the outcome
 //! without taking the writer's lock. Callers of the next batch sleep on; one
 //! of them is asked to lead it if nobody else does.
@@ -204,6 +204,14 @@ const SPARE_MAX_BYTES: usize = 1 << 20;
 /// copied (smaller ones are copied into the reused buffer).
 const MOVE_MIN_BYTES: usize = 64 << 10;
 
+/// What a batch committed: its records, append calls and bytes.
+#[derive(Clone, Copy, Default)]
+struct Committed {
+    records: u64,
+    appends: u64,
+    bytes: usize,
+}
+
 struct State {
     pending: Vec<u8>,
     /// (bytes, records) of each append call queued in `pending`.
@@ -237,6 +245,14 @@ struct State {
     active: Option<Active>,
     /// The active file, for the periodic fsync of relaxed mode.
     sync_file: Option<Arc<PooledFile>>,
+}
+
+/// Points the periodic fsync (`State::sync_file`) at `file`, the file just
+/// written, cloning the handle only when it changed (a segment roll).
+fn track_sync_file(sync_file: &mut Option<Arc<PooledFile>>, file: &Arc<PooledFile>) {
+    if !sync_file.as_ref().is_some_and(|f| Arc::ptr_eq(f, file)) {
+        *sync_file = Some(file.clone());
+    }
 }
 
 /// The one writer of one channel directory.
@@ -513,7 +529,7 @@ impl ChannelWriter {
     ///
     /// For callers that hold a lock of their own which others wait for (the
     /// GIL) and must not hold it across a wait: a write into the page cache
-    /// is a copy, but two in a row that stall past [`NOW_SLOW`] (dirty-page
+    /// is a copy, but two in a row that stall past 10 ms (dirty-page
     /// throttling) turn this path off for a while, so a slow disk costs the
     /// held lock rarely, not per append.
     pub fn try_append_now(
@@ -531,7 +547,13 @@ impl ChannelWriter {
         if took > NOW_SLOW {
             // Each slow write in a row after the first doubles the pause, so
             // a disk that stays slow costs a held lock ever more rarely.
-            let before = self.now_slow_streak.fetch_add(1, Ordering::Relaxed);
+            // Saturating: a streak that long stays at its longest pause.
+            let before = self
+                .now_slow_streak
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some(n.saturating_add(1))
+                })
+                .unwrap_or_else(|n| n);
             if let Some(pause) = now_pause(before) {
                 let until = since_open(started + took + pause);
                 self.now_paused_until.store(until, Ordering::Relaxed);
@@ -575,22 +597,17 @@ impl ChannelWriter {
         let offset = active.start + active.len;
         let written = self.commit_run(active, records, false);
         let end = active.start + active.len;
-        if !st
-            .sync_file
-            .as_ref()
-            .is_some_and(|f| Arc::ptr_eq(f, &active.file))
-        {
-            st.sync_file = Some(active.file.clone());
-        }
+        track_sync_file(&mut st.sync_file, &active.file);
         let done = written.is_ok();
-        self.count_batch(
-            if done {
-                (count, 1, records.len())
-            } else {
-                (0, 0, 0)
+        let committed = match done {
+            true => Committed {
+                records: count,
+                appends: 1,
+                bytes: records.len(),
             },
-            !done,
-        );
+            false => Committed::default(),
+        };
+        self.count_batch(committed, !done);
         drop(guard);
         if done {
             self.notifier.publish(end);
@@ -601,9 +618,14 @@ impl ChannelWriter {
         }))
     }
 
-    /// Counts one finished batch: `(records, appends, bytes)` committed, and
-    /// whether an error stopped it.
-    fn count_batch(&self, (records, appends, bytes): (u64, u64, usize), failed: bool) {
+    /// Counts one finished batch: what it committed, and whether an error
+    /// stopped it.
+    fn count_batch(&self, done: Committed, failed: bool) {
+        let Committed {
+            records,
+            appends,
+            bytes,
+        } = done;
         let c = &self.counters;
         c.batches.fetch_add(1, Ordering::Relaxed);
         c.records.fetch_add(records, Ordering::Relaxed);
@@ -735,11 +757,16 @@ impl ChannelWriter {
             records += n;
             done_groups += 1;
         }
-        self.count_batch((records, done_groups, committed), error.is_some());
+        let done = Committed {
+            records,
+            appends: done_groups,
+            bytes: committed,
+        };
+        self.count_batch(done, error.is_some());
         let end = active.start + active.len;
 
         let mut st = self.lock();
-        st.sync_file = Some(active.file.clone());
+        track_sync_file(&mut st.sync_file, &active.file);
         st.active = Some(active);
         let (mut buf, mut groups) = (buf, groups);
         buf.clear();
