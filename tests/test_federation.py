@@ -562,6 +562,32 @@ def test_cursor_files_follow_delivery(pki: PKI, tmp_path: Path, start: Starter, 
     assert not cursor_path(node_dir, "cmds", client_cursor).exists()
 
 
+def test_a_host_port_peer_name_federates(pki: PKI, tmp_path: Path, start: Starter) -> None:
+    """A certificate CN of the ``host:port`` form (``keygen --name`` takes it,
+    and 1.4 deployments use it) is a peer name like any other: allowed, its
+    cursor file named after it as 1.4 names it, and a name that cannot be a
+    file name is refused when the configuration is loaded, not at connect time."""
+    name = "sensor-1:7741"
+    pair = fed_helpers._instance(pki.ca, pki.ca_key, tmp_path, name, "sensor")
+    hub_dir, node_dir = tmp_path / "hub", tmp_path / "node"
+    hub = start(hub_config(pki, hub_dir, [peer(name)]))
+    on_hub = Inbox()
+    hub.subscribe("temps", "watch", on_hub)
+    config = client_config(pki, node_dir, "node1", hub_port(hub), subscribe=["cmds"],
+                           publish=["temps"]).to_dict()  # fmt: skip
+    config["name"] = name
+    config["tls"] = {"cert": str(pair.cert), "key": str(pair.key), "ca": str(pki.ca)}
+    client = start(Config.from_dict(config))
+    wait_peers(hub, name)
+    sent = publish_n(client, "temps", 3)
+    assert [m.id for m in on_hub.wait_count(3)] == sent
+    fed = cursor_path(hub_dir, "cmds", f"fed-{name}")
+    wait_until(lambda: read_cursor(fed) is not None, f"the hub's cursor file {fed.name}")
+
+    with pytest.raises(ConfigError, match=r"allowed_peers\[0\]\.name: invalid peer name"):
+        hub_config(pki, tmp_path / "other", [peer("a/b")])
+
+
 # ---------------------------------------------------------------------------
 # 10. Prompt close
 # ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ __all__ = [
     "reset_log_cache",
     "resolve_position",
     "validate_channel",
+    "validate_peer_name",
     "validate_payload_type",
 ]
 
@@ -375,6 +376,7 @@ class EphemeralClient:
     def close(self) -> None: ...
 
 def validate_channel(name: str) -> None: ...
+def validate_peer_name(name: str) -> None: ...
 def validate_payload_type(name: str) -> None: ...
 def read_channel(
     data_dir: str | PathLike[str],

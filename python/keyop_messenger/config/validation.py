@@ -207,6 +207,8 @@ def _check_hub(config: ConfigFields, problems: Problems) -> None:
                 continue
             if peer.name == "":
                 problems.add(key, "required")
+            elif (invalid := _invalid_peer_name(peer.name)) is not None:
+                problems.add(key, invalid)
             elif peer.name in first_seen:
                 problems.add(
                     key, f"duplicate peer name {peer.name!r} (also {first_seen[peer.name]})"
@@ -221,6 +223,20 @@ def _check_hub(config: ConfigFields, problems: Problems) -> None:
             "hub.fed_client_offset_ttl",
             "must not be zero (use a negative duration such as \"-1h\" to disable the sweep)",
         )
+
+
+def _invalid_peer_name(name: str) -> str | None:
+    """Why ``name`` cannot be a peer's certificate CN here, or None. The hub
+    names the peer's cursor files after it, so it is held to the engine's rule
+    for such names; a name the hub would refuse at connect time is refused
+    when the configuration is loaded instead."""
+    from .. import _core  # the engine's peer-name rule
+
+    try:
+        _core.validate_peer_name(name)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _check_client(config: ConfigFields, problems: Problems) -> None:

@@ -74,7 +74,9 @@ pub struct NameError {
 
 /// Checks a name that will become (part of) a path under `data_dir`.
 ///
-/// Allowed: 1 to [`max_len`] bytes of `A-Z a-z 0-9 . _ -`, not `.` or `..`. Channel
+/// Allowed: 1 to [`max_len`] bytes of `A-Z a-z 0-9 . _ -`, not `.` or `..`;
+/// peer names may also hold `:`, as certificate CNs of the `host:port` form
+/// do (`keyop-messenger keygen --name host:port`, and 1.4's advice). Channel
 /// names given to publish must not end in `.dead-letter`; subscriber ids must
 /// not start with `fed-` or `hub-` (those names belong to federation cursors).
 pub fn validate_name(kind: NameKind, name: &str) -> Result<(), NameError> {
@@ -95,13 +97,14 @@ pub fn validate_name(kind: NameKind, name: &str) -> Result<(), NameError> {
             name.len()
         ));
     }
-    if let Some(at) = name
-        .bytes()
-        .position(|b| !(b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-')))
-    {
+    let colon = kind == NameKind::PeerName;
+    if let Some(at) = name.bytes().position(|b| {
+        !(b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-') || (colon && b == b':'))
+    }) {
         let bad = name[at..].chars().next().expect("a character starts here");
+        let also = if colon { ", ':'" } else { "" };
         return fail(format!(
-            "contains {bad:?}; only letters, digits, '.', '_' and '-' are allowed"
+            "contains {bad:?}; only letters, digits, '.', '_'{also} and '-' are allowed"
         ));
     }
     if name == "." || name == ".." {
@@ -1038,6 +1041,14 @@ mod tests {
         validate_name(NameKind::Channel, "fed-hub").unwrap();
         let e = validate_name(NameKind::SubscriberId, "a/b").unwrap_err();
         assert!(e.to_string().contains("subscriber id"), "{e}");
+        // A peer name is a certificate CN, which may be `host:port`; only
+        // peer names take ':'.
+        validate_name(NameKind::PeerName, "sensor-1:7741").unwrap();
+        validate_name(NameKind::PeerName, "10.0.0.5:7740").unwrap();
+        assert!(validate_name(NameKind::Channel, "a:b").is_err());
+        assert!(validate_name(NameKind::SubscriberId, "a:b").is_err());
+        let e = validate_name(NameKind::PeerName, "a/b:1").unwrap_err();
+        assert!(e.to_string().contains("':'"), "{e}");
     }
 
     #[test]

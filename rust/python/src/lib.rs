@@ -1760,6 +1760,15 @@ fn validate_channel(py: Python<'_>, name: &str) -> PyResult<()> {
         .py_err(py)
 }
 
+/// Raises InvalidNameError unless `name` is a valid federation peer name
+/// (a certificate CN a hub can name its cursor files after).
+#[pyfunction]
+fn validate_peer_name(py: Python<'_>, name: &str) -> PyResult<()> {
+    keyop_core::envelope::validate_name(keyop_core::NameKind::PeerName, name)
+        .map_err(keyop_core::Error::from)
+        .py_err(py)
+}
+
 /// Raises InvalidNameError unless `name` is a valid payload type: the
 /// engine's rule for the envelope's `payload_type` field.
 #[pyfunction]
@@ -1800,6 +1809,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(validate_channel, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_peer_name, m)?)?;
     m.add_function(wrap_pyfunction!(loss_counts, m)?)?;
     m.add_function(wrap_pyfunction!(validate_payload_type, m)?)?;
     keygen::register(m)?;
