@@ -242,6 +242,30 @@ def test_stall_delays_but_loses_nothing(
     assert proxy.counts["relayed"] == 1
 
 
+def test_a_lost_link_is_audited_with_its_unacknowledged_records(
+    pki: PKI, tmp_path: Path, start: Starter, proxies: Any
+) -> None:
+    """The client's ``peer_disconnected`` carries 1.4's ``unacked=<n>`` (the
+    records of the batch sent and not acknowledged) before its reason."""
+    hub, client, proxy = linked(pki, tmp_path, start, proxies)
+    hub_dir, node_dir = tmp_path / "hub", tmp_path / "node1"
+    proxy.stall()
+    # One append: the link's next batch holds all five.
+    sent = client.publish_batch("temps", [("test.Reading", {"n": i}) for i in range(5)])
+    wait_until(
+        lambda: client.stats().federation.links[0].unacked_bytes > 0, "a batch awaiting its ack"
+    )
+    proxy.cut()
+    proxy.resume()
+    wait_until(
+        lambda: fed_helpers.audit_events(node_dir, "peer_disconnected"), "the client's audit"
+    )
+    (gone,) = fed_helpers.audit_events(node_dir, "peer_disconnected")
+    assert gone["peer_addr"] == f"127.0.0.1:{proxy.port}"
+    assert gone["detail"].startswith("unacked=5 err="), gone
+    assert_exactly_once_in_order(wait_arrived(hub_dir, "temps", sent), sent, "hub temps")
+
+
 def test_added_latency(pki: PKI, tmp_path: Path, start: Starter, proxies: Any) -> None:
     hub, client, proxy = linked(pki, tmp_path, start, proxies, subscribe=("cmds",))
     hub_dir, node_dir = tmp_path / "hub", tmp_path / "node1"

@@ -14,6 +14,7 @@ import datetime
 import itertools
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,21 @@ def test_compaction_threshold_mb_still_works_with_a_deprecation_warning(
     with Messenger(config) as m:
         fill(m)
         assert len(segments(m)) >= 3
+
+
+def test_compaction_threshold_mb_zero_means_the_default_as_in_1_4(tmp_path: Path) -> None:
+    # 1.4 replaces a zero value by its default, so a 1.4 file's explicit 0
+    # means 256 MiB segments, not segments that never roll.
+    def size(**storage: int) -> int:
+        doc = {"name": "n", "storage": {"data_dir": str(tmp_path / "d"), **storage}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return Config.from_dict(doc).storage.segment_mb()
+
+    assert size(compaction_threshold_mb=0) == 256
+    assert size(compaction_threshold_mb=-1) == -1
+    assert size(compaction_threshold_mb=3) == 3
+    assert size(segment_size_mb=0) == 0  # the new key's own meaning: never roll
 
 
 def test_both_segment_size_keys_set_is_an_error(tmp_path: Path) -> None:

@@ -44,7 +44,8 @@ class StorageConfig:
             segments never roll. It deletes nothing: see the ``retention`` section.
         compaction_threshold_mb: Deprecated name of ``segment_size_mb`` (the 1.4 key;
             despite its name it is only the segment size). Still accepted, with a
-            ``DeprecationWarning`` and a logged warning; setting both is an error.
+            ``DeprecationWarning`` and a logged warning; setting both is an error. Read
+            as 1.4 reads it: 0 means the default (256), a negative value never rolls.
         offset_flush_interval_ms: Minimum time between offset-file writes of a local
             subscriber; 0 writes after every message (must be >= 0).
     """
@@ -67,10 +68,12 @@ class StorageConfig:
 
     def segment_mb(self) -> int:
         """The segment size in MiB: ``segment_size_mb``, else the deprecated
-        ``compaction_threshold_mb``, else 256."""
-        for value in (self.segment_size_mb, self.compaction_threshold_mb):
-            if value is not None:
-                return value
+        ``compaction_threshold_mb`` (where 0 means the default, as in 1.4, whose
+        files may hold an explicit 0), else 256."""
+        if self.segment_size_mb is not None:
+            return self.segment_size_mb
+        if self.compaction_threshold_mb:
+            return self.compaction_threshold_mb
         return DEFAULT_SEGMENT_SIZE_MB
 
 

@@ -308,7 +308,11 @@ async fn dial_loop(
                 status.connected.store(false, Ordering::Release);
                 let Some(err) = ended else { return };
                 log::warn!("client: link to hub {} lost: {err}", ep.addr);
-                audit(&shared, "peer_disconnected", &ep.addr, format!("err={err}"));
+                // 1.4's detail (the records sent and not acknowledged), and why.
+                let unacked = status.unacked_records.swap(0, Ordering::Relaxed);
+                status.unacked_bytes.store(0, Ordering::Relaxed);
+                let detail = format!("unacked={unacked} err={err}");
+                audit(&shared, "peer_disconnected", &ep.addr, detail);
                 status.emit(LinkEvent::Disconnected {
                     hub: ep.addr.clone(),
                     reason: err,

@@ -627,6 +627,8 @@ where
                 if let Some(m) = &metrics {
                     m.unacked_bytes
                         .store(batch.body.len() as u64, Ordering::Relaxed);
+                    m.unacked_records
+                        .store(batch.ids.len() as u64, Ordering::Relaxed);
                 }
                 let full = batch.full;
                 let msg = Message::Binary(Bytes::from_owner(Pooled::new(batch.body, &POOL)));
@@ -646,6 +648,7 @@ where
                             if let Some(m) = &metrics {
                                 m.rtt.record(sent_at.elapsed());
                                 m.unacked_bytes.store(0, Ordering::Relaxed);
+                                m.unacked_records.store(0, Ordering::Relaxed);
                             }
                             ack
                         }

@@ -109,6 +109,9 @@ pub struct LinkStatus {
     pub failed_attempts: AtomicU64,
     /// Bytes of the batch awaiting acknowledgement.
     pub unacked_bytes: AtomicU64,
+    /// Records of the batch awaiting acknowledgement (audited with the
+    /// link's `peer_disconnected`, as 1.4 does).
+    pub unacked_records: AtomicU64,
     /// Batch send to acknowledgement.
     pub rtt: crate::stats::Window,
     /// Records the hub refused, per channel (kept on this instance's disk).
