@@ -572,13 +572,22 @@ class RawPeer:
         assert op == OP_BINARY, f"expected a binary message, got opcode {op}: {body[:80]!r}"
         return body
 
-    def handshake(self, name: str, subscribe: Sequence[str] = (), ephemeral: bool = False) -> str:
-        """Sends the client handshake (federation.md §4.2); returns the hub's reply."""
+    def handshake(
+        self,
+        name: str,
+        subscribe: Sequence[str] = (),
+        ephemeral: bool = False,
+        features: Sequence[str] = (),
+    ) -> str:
+        """Sends the client handshake (federation.md §4.2; ``features`` makes
+        it this implementation's, not 1.4's); returns the hub's reply."""
         hello: dict[str, Any] = {"instance_name": name, "role": "client", "version": "1"}
         if subscribe:
             hello["subscribe"] = list(subscribe)
         if ephemeral:
             hello["ephemeral"] = True
+        if features:
+            hello["features"] = list(features)
         self.send_text(json.dumps(hello, separators=(",", ":")))
         return self.recv_text()
 

@@ -737,6 +737,29 @@ def test_wire_hub_batches_and_backlog(pki: PKI, tmp_path: Path, start: Starter) 
         )
 
 
+@pytest.mark.parametrize("features", [(), ("refusals",)], ids=["1.4-peer", "our-peer"])
+def test_wire_batches_to_a_1_4_peer_hold_at_most_256_records(
+    pki: PKI, tmp_path: Path, start: Starter, features: tuple[str, ...]
+) -> None:
+    """A 1.4 receiver writes and fsyncs each record while it answers no ping:
+    its batches are kept to 256 records, so storing one cannot outlast the
+    link's timeouts. A peer of this implementation gets the whole backlog."""
+    hub = start(hub_config(pki, tmp_path / "hub", [peer("node1")]))
+    with RawPeer(hub_port(hub), pki["node1"], pki.ca) as raw:
+        raw.handshake("node1", subscribe=["cmds"], features=features)
+        wait_peers(hub, "node1")
+        sent = hub.publish_batch("cmds", [("test.Command", {"n": i}) for i in range(600)])
+        sizes: list[int] = []
+        got: list[str] = []
+        while len(got) < len(sent):
+            records = split_batch(raw.recv_binary())
+            sizes.append(len(records))
+            got += [msg_id(r) for r in records]
+            raw.send_text(ack(got[-1]))
+    assert got == sent
+    assert sizes == ([256, 256, 88] if not features else [600])
+
+
 def test_wire_ephemeral_peer_gets_no_cursor(pki: PKI, tmp_path: Path, start: Starter) -> None:
     hub_dir = tmp_path / "hub"
     hub = start(hub_config(pki, hub_dir, [peer("node2")]))

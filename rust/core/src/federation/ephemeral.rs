@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::client::{connect_once, jittered, DialError, HubStream};
 use super::status::RefusalReason;
 use super::status::{LinkEvent, LinkStatus};
-use super::wire::{split_batch, Ack, Refused};
+use super::wire::{split_batch, Ack, Refused, FEATURE_REFUSALS};
 use super::{
     runtime, tls, FedError, HubEndpoint, LinkSettings, TlsSettings, ACK_TIMEOUT, PING_INTERVAL,
     READ_TIMEOUT,
@@ -454,7 +454,13 @@ async fn run(
                 if let Some(r) = ready.take() {
                     let _ = r.send(Ok(()));
                 }
-                let why = serve(&ctx, ws, &mut rx).await;
+                // A 1.4 hub (no features) stores a record at a time, each
+                // fsynced: its frames are kept to a few hundred records.
+                let max_records = match welcome.has_feature(FEATURE_REFUSALS) {
+                    true => usize::MAX,
+                    false => super::link::LEGACY_BATCH_RECORDS,
+                };
+                let why = serve(&ctx, ws, &mut rx, max_records).await;
                 ctx.status.connected.store(false, Ordering::Release);
                 if !ctx.cancel.is_cancelled() {
                     let reason = why.clone();
@@ -496,7 +502,12 @@ async fn run(
 
 /// One connection: sends queued frames stop-and-wait, hands received frames
 /// to the handler and acknowledges them. Returns why it ended.
-async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) -> String {
+async fn serve(
+    ctx: &Arc<Ctx>,
+    ws: HubStream,
+    rx: &mut mpsc::Receiver<Pending>,
+    max_records: usize,
+) -> String {
     let (sink, mut stream) = ws.split();
     let sink = Arc::new(tokio::sync::Mutex::new(sink));
     let (ack_tx, mut ack_rx) = mpsc::channel::<Ack>(4);
@@ -611,20 +622,22 @@ async fn serve(ctx: &Arc<Ctx>, ws: HubStream, rx: &mut mpsc::Receiver<Pending>) 
             },
             }
         };
-        // Everything queued right now goes in one frame, up to the size
-        // limit: a publish that would take the frame past it waits for the
-        // next one (a single publish larger than the limit goes alone).
+        // Everything queued right now goes in one frame, up to the size and
+        // record limits: a publish that would take the frame past one waits
+        // for the next frame (a single publish over a limit goes alone).
         let mut body = first.body;
+        let mut records = first.ids.len();
         let mut waiting = vec![(first.ids, first.done)];
         while let Ok(p) = rx.try_recv() {
             if p.done.is_closed() {
                 continue;
             }
-            if body.len() + p.body.len() > max_bytes {
+            if body.len() + p.body.len() > max_bytes || records + p.ids.len() > max_records {
                 carried = Some(p);
                 break;
             }
             body.extend_from_slice(&p.body);
+            records += p.ids.len();
             waiting.push((p.ids, p.done));
         }
         ctx.status

@@ -66,10 +66,28 @@ struct Batch {
     full: bool,
 }
 
+/// Most records in a batch sent to a 1.4 peer. Its receiver writes and
+/// fsyncs each record in its read loop, answering no ping meanwhile: a whole
+/// 4 MiB batch of small records (some 20,000 fsyncs on a board's SD card) could
+/// outlast our read and acknowledgement timeouts, and the link would be
+/// dropped and the batch sent again, over and over. 256 records take 25 s
+/// even at 100 ms an fsync.
+pub const LEGACY_BATCH_RECORDS: usize = 256;
+
+/// How large a batch may grow: JSON bytes (the first record always goes)
+/// and records.
+#[derive(Clone, Copy, Debug)]
+struct BatchLimit {
+    bytes: usize,
+    records: usize,
+}
+
 impl OutChannel {
     /// Collects records from the cursor while their JSON fits in
-    /// `max_bytes` (the first one always goes).
-    fn read_batch(&mut self, max_bytes: usize) -> std::io::Result<Batch> {
+    /// `cap.bytes` (the first one always goes) and they number at most
+    /// `cap.records`.
+    fn read_batch(&mut self, cap: BatchLimit) -> std::io::Result<Batch> {
+        let max_bytes = cap.bytes;
         let limit = self.writer.committed_end();
         let mut body = POOL.take();
         let mut ids = IdList::default();
@@ -105,7 +123,7 @@ impl OutChannel {
             push_record(&mut body, &line);
             json_bytes += line.len();
             ids.push(&id);
-            if json_bytes >= max_bytes {
+            if json_bytes >= max_bytes || ids.len() >= cap.records {
                 full = true;
                 break;
             }
@@ -157,10 +175,17 @@ where
     let (sink, stream) = ws.split();
     let sink: Sink<S> = Arc::new(Mutex::new(sink));
     let (ack_tx, ack_rx) = mpsc::channel::<Ack>(4);
+    let limit = BatchLimit {
+        bytes: shared.link.max_batch_bytes.max(1),
+        records: match inbound.report_refusals {
+            true => usize::MAX,
+            false => LEGACY_BATCH_RECORDS, // a 1.4 peer (no features)
+        },
+    };
     let sender = tokio::spawn(send_loop(
         shared.clone(),
         sink.clone(),
-        out,
+        (out, limit),
         ack_rx,
         cancel.clone(),
         inbound.peer.clone(),
@@ -566,7 +591,7 @@ impl Line<'_> {
 async fn send_loop<S>(
     shared: Arc<Shared>,
     sink: Sink<S>,
-    mut chans: Vec<OutChannel>,
+    (mut chans, limit): (Vec<OutChannel>, BatchLimit),
     mut acks: mpsc::Receiver<Ack>,
     cancel: CancellationToken,
     peer: String,
@@ -575,7 +600,6 @@ async fn send_loop<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let max_bytes = shared.link.max_batch_bytes.max(1);
     // Channels already warned about on this connection (one warning each).
     let mut warned: HashSet<String> = HashSet::new();
     let mut positions: Vec<u64> = chans.iter().map(|c| c.reader.position()).collect();
@@ -594,7 +618,7 @@ where
         for (i, ch) in chans.iter_mut().enumerate() {
             let read = match read_ahead[i].take() {
                 Some(batch) => Ok(batch),
-                None => tokio::task::block_in_place(|| ch.read_batch(max_bytes)),
+                None => tokio::task::block_in_place(|| ch.read_batch(limit)),
             };
             let batch = match read {
                 Ok(b) => b,
@@ -639,7 +663,7 @@ where
                 if full {
                     // More is likely waiting: read it while the peer stores this one
                     // (an error is met again, and reported, on the next read).
-                    read_ahead[i] = tokio::task::block_in_place(|| ch.read_batch(max_bytes)).ok();
+                    read_ahead[i] = tokio::task::block_in_place(|| ch.read_batch(limit)).ok();
                 }
                 let ack = tokio::select! {
                     _ = cancel.cancelled() => return None,
