@@ -247,7 +247,7 @@ def test_a_lost_link_is_audited_with_its_unacknowledged_records(
 ) -> None:
     """The client's ``peer_disconnected`` carries 1.4's ``unacked=<n>`` (the
     records of the batch sent and not acknowledged) before its reason."""
-    hub, client, proxy = linked(pki, tmp_path, start, proxies)
+    _hub, client, proxy = linked(pki, tmp_path, start, proxies)
     hub_dir, node_dir = tmp_path / "hub", tmp_path / "node1"
     proxy.stall()
     # One append: the link's next batch holds all five.

@@ -36,8 +36,8 @@ __all__ = [
     "reset_log_cache",
     "resolve_position",
     "validate_channel",
-    "validate_peer_name",
     "validate_payload_type",
+    "validate_peer_name",
 ]
 
 __version__: str
