@@ -373,6 +373,20 @@ def test_tail_last_n_of_a_go_data_dir_across_segments(tmp_path: Path) -> None:
     assert cli("tail", "--data-dir", data_dir, "alerts", "-n", "0").stdout == ""
 
 
+def test_tail_prints_a_lone_surrogate_another_writer_stored(tmp_path: Path) -> None:
+    """1.4 stores a payload string with half a surrogate pair (this
+    implementation refuses to); tail prints it as an escape, not a crash."""
+    folder = tmp_path / "go" / "channels" / "alerts"
+    folder.mkdir(parents=True)
+    line = GO_LINES[-1].replace('"payload":42', '"payload":"a\\ud800b"')
+    (folder / f"{0:020d}.jsonl").write_text(line + "\n")
+    proc = cli("tail", "--data-dir", tmp_path / "go", "alerts")
+    assert proc.returncode == 0, proc.stderr
+    (doc,) = [json.loads(text) for text in proc.stdout.splitlines()]
+    assert doc["payload"] == "a\ud800b"
+    assert "\\ud800" in proc.stdout
+
+
 def test_tail_while_a_messenger_holds_the_data_dir(tmp_path: Path) -> None:
     _, data_dir, config = local_config(tmp_path)
     with Messenger(config) as m:

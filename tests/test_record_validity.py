@@ -4,7 +4,9 @@ The rules live in rust/core/src/envelope.rs: payload nesting at most 100
 levels (checked without recursion), ids of 1-64 bytes of ``A-Za-z0-9-_.:``,
 channel names by the name rule, ``origin``/``payload_type``/
 ``service_name``/``correlation_id`` at most 255 bytes without control
-characters, and the size limit. They apply to local publishes (nothing is
+characters, values a reader can hold (no half of a surrogate pair, finite
+doubles, integers of at most 4300 digits, in any key of a received record),
+and the size limit. They apply to local publishes (nothing is
 written) and to records received by a hub (refused with reason ``invalid``,
 never stored, the acknowledgement never echoing a bad id).
 """
@@ -143,6 +145,38 @@ def test_hub_accepts_the_deepest_valid_payload_and_refuses_bad_fields(
     assert stored_ids(hub_dir, "temps") == [json.loads(at_limit)["id"]]
     (entry,) = list(read_channel(hub_dir, "temps"))
     assert entry.message.payload == nested(MAX_DEPTH), "what is stored is readable"
+
+
+def test_hub_refuses_values_its_readers_cannot_hold(
+    pki: PKI, tmp_path: Path, start: Starter
+) -> None:
+    """Well-formed JSON that no Python reader can take back (half a surrogate
+    pair, a number beyond a double, an integer of over 4300 digits) is
+    refused, not acknowledged, stored and then dead-lettered by every
+    subscriber; so is a key besides the envelope's that nests too deep."""
+    hub_dir = tmp_path / "hub"
+    hub = start(hub_config(pki, hub_dir, [peer("node1")]))
+    poison = [
+        raw_record(str(uuid.uuid4()), b'"\\ud800"'),
+        raw_record(str(uuid.uuid4()), b'{"n":1e999999}'),
+        raw_record(str(uuid.uuid4()), b"9" * 5000),
+    ]
+    deep_key = json.loads(envelope("temps", "node1", {}))
+    deep_key["x"] = nested(MAX_DEPTH + 1)
+    poison.append(json.dumps(deep_key).encode())
+    fine_json = b'{"s":"\\ud83d\\ude00","n":1e308,"i":' + b"9" * 4300 + b"}"
+    fine = raw_record(str(uuid.uuid4()), fine_json)
+    with RawPeer(hub_port(hub), pki["node1"], pki.ca) as raw:
+        raw.send_text(hello("node1"))
+        raw.recv_text()
+        raw.send_binary(frame(*poison, fine))
+        doc = json.loads(raw.recv_text())
+    assert [r["reason"] for r in doc["refused"]] == ["invalid"] * 4
+    assert stored_ids(hub_dir, "temps") == [json.loads(fine)["id"]]
+    (entry,) = list(read_channel(hub_dir, "temps"))
+    assert entry.message.payload["s"] == "\U0001f600"
+    details = [r["detail"] for r in audit_events(hub_dir, "record_refused")]
+    assert sum("unreadable value" in d for d in details) == 3, details
 
 
 # ---------------------------------------------------------------------------

@@ -121,8 +121,13 @@ class Out:
                 raise PipeClosed() from None
 
     def json(self, doc: Any) -> None:
-        """Writes ``doc`` as one compact JSON line."""
-        self.line(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
+        """Writes ``doc`` as one compact JSON line; text stdout cannot encode
+        (a lone surrogate from a record another writer stored) is written as
+        JSON escapes, so the line still decodes to the same document."""
+        try:
+            self.line(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
+        except UnicodeEncodeError:
+            self.line(json.dumps(doc, ensure_ascii=True, separators=(",", ":")))
 
 
 class Progress:

@@ -338,7 +338,7 @@ pub fn frame_rows(
         buf.extend_from_slice(&after_id);
         let payload_start = buf.len();
         payload(row, &mut buf)?;
-        envelope::check_payload_depth(&buf[payload_start..])?;
+        envelope::check_payload(&buf[payload_start..])?;
         buf.extend_from_slice(envelope::RECORD_TAIL);
         let size = buf.len() - start;
         if size > MAX_RECORD_BYTES {
@@ -1208,7 +1208,7 @@ fn oldest_pending(dir: &Path, from: u64, limit: u64) -> Option<i64> {
 
 /// Appends one new envelope (fresh UUIDv7 id, current time) from `origin` to
 /// `out` and returns its id; refuses invalid records (names, fields, payload
-/// depth: [`envelope::validate_header`], [`envelope::check_payload_depth`])
+/// depth and values: [`envelope::validate_header`], [`envelope::check_payload`])
 /// and records over the size limit, appending nothing.
 pub fn encode_message(
     out: &mut Vec<u8>,
@@ -1260,7 +1260,7 @@ fn encode_message_at(
     };
     // The one definition of a valid record (envelope.rs), before anything is written.
     envelope::validate_header(&header, NameKind::PublishChannel)?;
-    envelope::check_payload_depth(m.payload_json)?;
+    envelope::check_payload(m.payload_json)?;
     encode_record(out, &header, m.payload_json);
     let size = out.len() - before;
     if size > MAX_RECORD_BYTES {

@@ -9,7 +9,7 @@
 //!
 //! This module is also the one place where names that become paths (channel
 //! names, subscriber ids, peer names) are validated, and where a valid record
-//! is defined ([`validate_header`], [`check_payload_depth`],
+//! is defined ([`validate_header`], [`check_payload`],
 //! [`decode_valid`]): every way in (local publish, federation, a gateway)
 //! applies these rules, so nothing is stored that a reader would refuse.
 
@@ -147,6 +147,10 @@ pub fn max_len(kind: NameKind) -> usize {
 /// (`{"original":{..,"payload":..}}` as the payload of another envelope), so
 /// 100 leaves every reader room. Go 1.4 readers accept 10000 levels.
 pub const MAX_PAYLOAD_DEPTH: usize = 100;
+/// Most digits of an integer in a record: Python's default limit on
+/// converting between `int` and text (`sys.get_int_max_str_digits()`), so
+/// every Python reader can read what is stored.
+pub const MAX_INTEGER_DIGITS: usize = 4300;
 /// Longest message id accepted, in bytes. 1.4 writes 36-byte UUIDs.
 pub const MAX_ID_BYTES: usize = 64;
 /// Longest `origin`, `payload_type`, `service_name` or `correlation_id`, in bytes.
@@ -165,6 +169,11 @@ pub enum RecordError {
     /// The payload nests arrays/objects deeper than [`MAX_PAYLOAD_DEPTH`].
     #[error("payload is nested deeper than {MAX_PAYLOAD_DEPTH} levels of arrays and objects")]
     TooDeep,
+    /// A value no reader can hold: a string escape that is half of a UTF-16
+    /// surrogate pair, a number beyond a double's range, or an integer of
+    /// more than [`MAX_INTEGER_DIGITS`] digits.
+    #[error("unreadable value: {0}")]
+    BadValue(&'static str),
     /// A field breaks its rule; `reason` says what is allowed.
     #[error("invalid {field} {value}: {reason}")]
     Field {
@@ -269,43 +278,147 @@ pub fn validate_header(h: &Header<'_>, kind: NameKind) -> Result<(), RecordError
 
 /// Checks that the JSON text `json` nests arrays and objects at most
 /// [`MAX_PAYLOAD_DEPTH`] deep. One pass over the bytes, no recursion; the
-/// text must be valid JSON (strings are skipped by their quotes).
+/// text must be valid JSON (strings are skipped by their quotes). The rule
+/// readers apply to stored records; a record written or received must also
+/// pass [`check_payload`].
 pub fn check_payload_depth(json: &[u8]) -> Result<(), RecordError> {
     // Each level needs at least two bytes: shorter texts cannot be too deep.
     if json.len() <= 2 * MAX_PAYLOAD_DEPTH {
         return Ok(());
     }
+    scan_json(json, MAX_PAYLOAD_DEPTH, false)
+}
+
+/// Checks a payload about to be stored: [`check_payload_depth`], and that
+/// every value can be read back ([`RecordError::BadValue`]): no lone UTF-16
+/// surrogate in a `\u` escape, no number that overflows a double, no integer
+/// of more than [`MAX_INTEGER_DIGITS`] digits. Such JSON is well formed, yet
+/// Python cannot read it (or print it), so it is refused at every way in
+/// rather than stored, acknowledged and then dead-lettered by its readers.
+pub fn check_payload(json: &[u8]) -> Result<(), RecordError> {
+    scan_json(json, MAX_PAYLOAD_DEPTH, true)
+}
+
+/// One pass over valid JSON text: nesting at most `max_depth`, and with
+/// `values`, the checks of [`check_payload`].
+fn scan_json(json: &[u8], max_depth: usize, values: bool) -> Result<(), RecordError> {
     let mut depth = 0usize;
     let mut i = 0;
-    while let Some(at) = memchr::memchr3(b'"', b'[', b'{', &json[i..]) {
-        let at = i + at;
+    loop {
+        let next = memchr::memchr3(b'"', b'[', b'{', &json[i..]).map(|at| i + at);
+        let between = &json[i..next.unwrap_or(json.len())];
+        if values {
+            check_numbers(between)?;
+        }
+        let Some(at) = next else { return Ok(()) };
         // Closers between `i` and `at` lower the depth.
-        depth = depth.saturating_sub(
-            json[i..at]
-                .iter()
-                .filter(|&&b| b == b']' || b == b'}')
-                .count(),
-        );
+        depth = depth.saturating_sub(between.iter().filter(|&&b| b == b']' || b == b'}').count());
         if json[at] == b'"' {
             // Skip the string: find the closing quote not escaped.
             let mut j = at + 1;
             loop {
                 match memchr::memchr2(b'"', b'\\', &json[j..]) {
-                    Some(k) if json[j + k] == b'\\' => j += k + 2,
+                    Some(k) if json[j + k] == b'\\' => {
+                        let esc = j + k;
+                        if values && json.get(esc + 1) == Some(&b'u') {
+                            check_surrogate(json, esc)?;
+                        }
+                        j = esc + 2;
+                    }
                     Some(k) => {
                         j += k + 1;
                         break;
                     }
                     None => return Ok(()),
                 }
+                if j >= json.len() {
+                    return Ok(());
+                }
             }
             i = j.min(json.len());
         } else {
             depth += 1;
-            if depth > MAX_PAYLOAD_DEPTH {
+            if depth > max_depth {
                 return Err(RecordError::TooDeep);
             }
             i = at + 1;
+        }
+    }
+}
+
+/// The code unit of the `\uXXXX` escape at `json[at..]`, if it is one.
+fn escape_unit(json: &[u8], at: usize) -> Option<u16> {
+    let hex = json.get(at..at + 6)?;
+    if &hex[..2] != b"\\u" {
+        return None;
+    }
+    u16::from_str_radix(std::str::from_utf8(&hex[2..]).ok()?, 16).ok()
+}
+
+/// The `\u` escape at `json[esc..]` is not half of a surrogate pair: a high
+/// surrogate must be followed at once by an escaped low one, which pairs
+/// with it (and is then skipped as the ordinary escape it also is).
+fn check_surrogate(json: &[u8], esc: usize) -> Result<(), RecordError> {
+    const LONE: RecordError = RecordError::BadValue("a \\u escape of half a surrogate pair");
+    match escape_unit(json, esc) {
+        Some(0xD800..=0xDBFF) => match escape_unit(json, esc + 6) {
+            Some(0xDC00..=0xDFFF) => Ok(()),
+            _ => Err(LONE),
+        },
+        Some(0xDC00..=0xDFFF) => {
+            // Fine only as the second half of a pair that starts just before.
+            match esc.checked_sub(6).and_then(|h| escape_unit(json, h)) {
+                Some(0xD800..=0xDBFF) if !escaped_at(json, esc - 6) => Ok(()),
+                _ => Err(LONE),
+            }
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Whether the backslash at `json[at]` is itself escaped (preceded by an
+/// odd number of backslashes).
+fn escaped_at(json: &[u8], at: usize) -> bool {
+    json[..at].iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1
+}
+
+/// Checks the numbers in `text`, JSON outside any string: a number with a
+/// fraction or an exponent must be a finite double; an integer has at most
+/// [`MAX_INTEGER_DIGITS`] digits. Short texts without an exponent are
+/// passed without a look at each token (the common case: a few small
+/// numbers, `true`, `null`).
+fn check_numbers(text: &[u8]) -> Result<(), RecordError> {
+    // Without an exponent, a number overflows a double only past 308 digits.
+    if text.len() <= 308 && memchr::memchr2(b'e', b'E', text).is_none() {
+        return Ok(());
+    }
+    let tokens = text.split(|b| {
+        matches!(
+            b,
+            b',' | b':' | b'[' | b']' | b'{' | b'}' | b' ' | b'\t' | b'\r' | b'\n'
+        )
+    });
+    for token in tokens {
+        let Some(&first) = token.first() else {
+            continue;
+        };
+        if first != b'-' && !first.is_ascii_digit() {
+            continue; // true, false, null
+        }
+        let integer = !token.iter().any(|b| matches!(b, b'.' | b'e' | b'E'));
+        if integer {
+            let digits = token.len() - usize::from(first == b'-');
+            if digits > MAX_INTEGER_DIGITS {
+                return Err(RecordError::BadValue("an integer of more than 4300 digits"));
+            }
+        } else if token.len() > 308 || token.iter().any(|b| matches!(b, b'e' | b'E')) {
+            let finite = std::str::from_utf8(token)
+                .ok()
+                .and_then(|t| t.parse::<f64>().ok())
+                .is_some_and(f64::is_finite);
+            if !finite {
+                return Err(RecordError::BadValue("a number beyond a double's range"));
+            }
         }
     }
     Ok(())
@@ -323,7 +436,8 @@ pub struct Invalid {
 
 /// Decodes a received record and applies every rule of a valid record:
 /// size (`limit` bytes of JSON), readability, header fields (the channel as
-/// `kind`) and payload depth. On error only a valid id and a valid channel
+/// `kind`), and the nesting and values of the whole record
+/// ([`check_payload`]'s rule). On error only a valid id and a valid channel
 /// name are kept (so a refusal can name them; an invalid one is never echoed).
 pub fn decode_valid(rec: &[u8], limit: usize, kind: NameKind) -> Result<Envelope, Box<Invalid>> {
     decode_checked(rec, limit, kind)
@@ -343,7 +457,6 @@ pub fn decode_valid_ref(
 trait Checked<'a>: Sized {
     fn decode(line: &'a [u8]) -> Result<Self, DecodeError>;
     fn header(&self) -> Header<'_>;
-    fn payload(&self) -> &str;
     fn into_id_channel(self) -> (String, String);
 }
 
@@ -353,9 +466,6 @@ impl<'a> Checked<'a> for Envelope {
     }
     fn header(&self) -> Header<'_> {
         Envelope::header(self)
-    }
-    fn payload(&self) -> &str {
-        self.payload.get()
     }
     fn into_id_channel(self) -> (String, String) {
         (self.id, self.channel)
@@ -368,9 +478,6 @@ impl<'a> Checked<'a> for EnvelopeRef<'a> {
     }
     fn header(&self) -> Header<'_> {
         EnvelopeRef::header(self)
-    }
-    fn payload(&self) -> &str {
-        &self.payload
     }
     fn into_id_channel(self) -> (String, String) {
         (self.id.into_owned(), self.channel.into_owned())
@@ -413,8 +520,11 @@ fn decode_checked<'a, E: Checked<'a>>(
             return Err(invalid(RecordError::Unreadable(text), None));
         }
     };
+    // The whole record, not only its payload: keys other than the
+    // envelope's are stored as received (and relayed), so their values obey
+    // the same rule (one level deeper, inside the envelope's object).
     let checked = validate_header(&env.header(), kind)
-        .and_then(|()| check_payload_depth(env.payload().as_bytes()));
+        .and_then(|()| scan_json(rec, MAX_PAYLOAD_DEPTH + 1, true));
     match checked {
         Ok(()) => Ok(env),
         Err(e) => Err(invalid(e, Some(env))),

@@ -431,3 +431,77 @@ fn rows_framed_with_numbered_ids_read_back_with_each_id() {
         .iter()
         .all(|e| e.correlation_id.as_deref() == Some("c1")));
 }
+
+#[test]
+fn values_no_reader_can_hold_are_refused() {
+    use keyop_core::envelope::{check_payload, MAX_INTEGER_DIGITS};
+    let bad = |json: &str| {
+        matches!(
+            check_payload(json.as_bytes()),
+            Err(RecordError::BadValue(_))
+        )
+    };
+    // Surrogates: a pair is fine, either half alone is not, nor a half after
+    // an escaped backslash (that is text, not an escape).
+    check_payload(br#"{"s":"\ud83d\ude00 \u00e9 \\ud800"}"#).unwrap();
+    for lone in [
+        r#""\ud800""#,
+        r#""\ud800x""#,
+        r#""\ud800\u0041""#,
+        r#""\ude00""#,
+        r#""a\ude00\ud800""#,
+        r#""\\\ud800""#,
+        r#""\\ud800\ude00""#,
+        r#"{"k":["\uDBFF"]}"#,
+    ] {
+        assert!(bad(lone), "{lone}");
+    }
+    // Numbers: doubles must be finite; integers of up to 4300 digits pass
+    // (Python reads them), wherever they stand.
+    for good in [
+        "1e308",
+        "-1.5E-400",
+        "0.0",
+        "[1,2,3e10]",
+        "true",
+        r#"{"e":1e2}"#,
+    ] {
+        check_payload(good.as_bytes()).unwrap();
+    }
+    let long = "9".repeat(MAX_INTEGER_DIGITS);
+    check_payload(format!("[-{long}]").as_bytes()).unwrap();
+    check_payload(format!("{{\"x\":\"{long}9e999999\"}}").as_bytes()).unwrap(); // a string
+    for worse in [
+        "1e999999".to_owned(),
+        "[1,-1E309]".to_owned(),
+        format!("{{\"n\":{long}9}}"),
+        format!("[{}.5]", "9".repeat(400)),
+    ] {
+        assert!(bad(&worse), "{}", &worse[..worse.len().min(40)]);
+    }
+    // A received record is checked whole: a key besides the envelope's
+    // obeys the depth and value rules as the payload does.
+    let deep_key = format!(
+        r#"{{"v":1,"id":"id-1","ts":"2026-03-31T14:22:01Z","channel":"temps","origin":"o","payload_type":"t","x":{},"payload":{{}}}}"#,
+        nested(MAX_PAYLOAD_DEPTH + 1)
+    );
+    let e = decode_valid(deep_key.as_bytes(), MAX_RECORD_BYTES, NameKind::Channel).unwrap_err();
+    assert_eq!(e.error, RecordError::TooDeep);
+    let inf_key = deep_key.replace(&nested(MAX_PAYLOAD_DEPTH + 1), "1e999");
+    let e = decode_valid(inf_key.as_bytes(), MAX_RECORD_BYTES, NameKind::Channel).unwrap_err();
+    assert!(matches!(e.error, RecordError::BadValue(_)), "{e:?}");
+    let fine = deep_key.replace(&nested(MAX_PAYLOAD_DEPTH + 1), &nested(MAX_PAYLOAD_DEPTH));
+    decode_valid(fine.as_bytes(), MAX_RECORD_BYTES, NameKind::Channel).unwrap();
+    // A local publish obeys the same rule.
+    let m = Outgoing {
+        payload_type: "t",
+        payload_json: br#"{"s":"\udfff"}"#,
+        correlation_id: None,
+        service_name: None,
+    };
+    let e = encode_message(&mut Vec::new(), "o", "temps", &m).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidRecord(RecordError::BadValue(_))),
+        "{e:?}"
+    );
+}
