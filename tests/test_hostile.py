@@ -649,6 +649,25 @@ def test_unreadable_records_are_skipped_and_the_rest_stored(hub: Hub, pki: PKI) 
     hub.assert_confined(channels={"temps"}, cursors={"cmds/fed-node1"})
 
 
+def test_records_without_an_id_are_audited_one_by_one_only_up_to_a_bound(
+    hub: Hub, pki: PKI
+) -> None:
+    """Empty records cost the sender 4 bytes each: past the first 16 of a
+    batch, their refusals are counted in one audit line (and left out of the
+    acknowledgement), not written and listed one by one."""
+    good = envelope("temps", "node1", {"n": 1})
+    with RawPeer(hub.port, pki["node1"], pki.ca) as raw:
+        raw.handshake("node1", features=["refusals"])
+        raw.send_binary(batch(*([b""] * 10_000), good))
+        doc = json.loads(raw.recv_text())
+    assert doc["last_id"] == rid_of(good)
+    assert doc["refused"] == [{"id": "", "channel": "", "reason": "invalid"}] * 16
+    refused = audit_events(hub.dir, "record_refused")
+    assert len(refused) == 17
+    assert "9984 more records without an id" in refused[-1]["detail"], refused[-1]
+    assert raw_records(hub.dir, "temps") == [good]
+
+
 def test_a_batch_of_many_chunks_is_checked_as_a_whole(hub: Hub, pki: PKI) -> None:
     """The hub decodes, checks and claims a large batch a chunk of 512 records
     at a time: a record repeated in later chunks is stored once, a refusal in

@@ -260,22 +260,73 @@ where
 /// thousands a second); each one is audited.
 static REFUSAL_LOG: RateLimit = RateLimit::new(Duration::from_secs(10));
 
+/// Refused records without an id audited (and listed in the acknowledgement)
+/// one by one per batch; past these they are only counted, and audited once
+/// at the batch's end. The sender cannot match such a refusal to a record
+/// anyway, and a batch of 14 MiB of empty records would otherwise write an
+/// audit line and hold a list entry for each 4 bytes received.
+const NAMELESS_DETAILED: usize = 16;
+
 /// [`refuse`]s a record of a received batch and lists it in the batch's
 /// acknowledgement; a refused record with an id is, so far, the last record
 /// the acknowledgement covers (`last_wanted` false: not the last stored).
 fn refuse_in_ack(
     shared: &Shared,
     inbound: &Inbound,
-    (ack, last_wanted): (&mut Ack, &mut bool),
+    (ack, last_wanted, nameless): (&mut Ack, &mut bool, &mut usize),
     refused: Refused,
     why: &str,
 ) {
-    refuse(shared, inbound, &refused, why);
     if !refused.id.is_empty() {
         ack.last_id.clone_from(&refused.id);
         *last_wanted = false;
     }
-    ack.refused.push(refused);
+    refuse_listed(shared, inbound, (ack, nameless), refused, why);
+}
+
+/// [`refuse`]s a record of a received batch and lists it in the batch's
+/// acknowledgement if the peer asked for refusals; past [`NAMELESS_DETAILED`]
+/// records without an id in the batch, only counts it in `nameless`.
+fn refuse_listed(
+    shared: &Shared,
+    inbound: &Inbound,
+    (ack, nameless): (&mut Ack, &mut usize),
+    refused: Refused,
+    why: &str,
+) {
+    if refused.id.is_empty() {
+        *nameless += 1;
+        if *nameless > NAMELESS_DETAILED {
+            return;
+        }
+    }
+    refuse(shared, inbound, &refused, why);
+    if inbound.report_refusals {
+        ack.refused.push(refused);
+    }
+}
+
+/// Audits (and logs, rate-limited) the refusals without an id of a batch
+/// that were only counted ([`NAMELESS_DETAILED`]).
+fn refuse_nameless_rest(shared: &Shared, inbound: &Inbound, nameless: usize) {
+    let Some(rest) = nameless.checked_sub(NAMELESS_DETAILED).filter(|&n| n > 0) else {
+        return;
+    };
+    let why = format!(
+        "{rest} more records without an id in this batch were refused (each batch audits the \
+         first {NAMELESS_DETAILED} one by one)"
+    );
+    if let Some(more) = REFUSAL_LOG.check() {
+        log::warn!(
+            "{}: {why} ({more} more refusals since the last report)",
+            inbound.peer
+        );
+    }
+    let mut ev = AuditEvent::new("record_refused");
+    ev.direction = "inbound".into();
+    ev.peer = inbound.peer.clone();
+    ev.detail = format!("reason={} {why}", RefusalReason::Invalid.as_str());
+    shared.audit.log(ev);
 }
 
 /// Logs (rate-limited) and audits one refused record.
@@ -331,6 +382,8 @@ async fn receive_batch(
     // last one wanted (else a refused one set `ack.last_id`).
     let mut last_wanted = false;
     let mut last_wanted_id = Cow::Borrowed("");
+    // Refused records without an id so far (see `NAMELESS_DETAILED`).
+    let mut nameless = 0usize;
     // Claims this batch holds, per channel, settled as failed if it returns
     // early; records another connection is storing at the same moment.
     let mut mine = Claimed::new(&shared.seen);
@@ -369,10 +422,10 @@ async fn receive_batch(
                     if matches!(invalid.error, RecordError::Unreadable(_)) {
                         // Named (from its leading fields) if it can be, but as in
                         // 1.4 a record that does not parse leaves `last_id` alone.
-                        refuse(shared, inbound, &refused, &why);
-                        ack.refused.push(refused);
+                        refuse_listed(shared, inbound, (&mut ack, &mut nameless), refused, &why);
                     } else {
-                        refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, &why);
+                        let at = (&mut ack, &mut last_wanted, &mut nameless);
+                        refuse_in_ack(shared, inbound, at, refused, &why);
                     }
                     continue;
                 }
@@ -392,7 +445,8 @@ async fn receive_batch(
             if !allowed {
                 let refused = Refused::of(&env.id, &env.channel, RefusalReason::Policy);
                 let why = "channel not allowed for this peer";
-                refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, why);
+                let at = (&mut ack, &mut last_wanted, &mut nameless);
+                refuse_in_ack(shared, inbound, at, refused, why);
                 continue;
             }
             if let Some(budget) = &inbound.channel_budget {
@@ -404,7 +458,8 @@ async fn receive_batch(
                 if is_new && !budget.try_create(&env.channel) {
                     let refused = Refused::of(&env.id, &env.channel, RefusalReason::ChannelLimit);
                     let why = "the peer's max_channels is reached";
-                    refuse_in_ack(shared, inbound, (&mut ack, &mut last_wanted), refused, why);
+                    let at = (&mut ack, &mut last_wanted, &mut nameless);
+                    refuse_in_ack(shared, inbound, at, refused, why);
                     continue;
                 }
             }
@@ -496,9 +551,7 @@ async fn receive_batch(
     }
     // Every qualifying record is now refused or committed (a failed commit
     // returned above): acknowledge the last of them in batch order.
-    if !inbound.report_refusals {
-        ack.refused.clear();
-    }
+    refuse_nameless_rest(shared, inbound, nameless);
     Ok(ack)
 }
 
