@@ -142,7 +142,7 @@ pub(crate) async fn connect_once(
             .map_err(|e| DialError::Failed(e.to_string()))?;
         match ws.next().await {
             Some(Ok(Message::Text(t))) => {
-                let welcome = serde_json::from_str::<Handshake>(t.as_str())
+                let welcome = Handshake::decode(t.as_str())
                     .map_err(|e| DialError::Failed(format!("bad hub handshake: {e}")))?;
                 Ok((ws, welcome))
             }

@@ -71,6 +71,9 @@ struct HubState {
     budgets: Mutex<HashMap<String, Arc<super::ChannelBudget>>>,
     /// Every connection, opening or established, and their limits.
     conns: Arc<ConnTable>,
+    /// Warnings of peers rejected by the allowlist: one per 10 s (each is
+    /// audited); this hub's own, so another hub's rejections never hide it.
+    rejections: RateLimit,
 }
 
 impl Hub {
@@ -96,6 +99,7 @@ impl Hub {
             peers: peers.clone(),
             ephemeral: ephemeral.clone(),
             next_conn: AtomicU64::new(1),
+            rejections: RateLimit::new(Duration::from_secs(10)),
             budgets: Mutex::new(HashMap::new()),
             conns: Arc::new(ConnTable::new(Limits::for_this_process())),
         });
@@ -391,8 +395,9 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
             .map_err(|e| format!("WebSocket upgrade: {e}"))?;
         let first = ws.next().await;
         let hello = match first {
-            Some(Ok(Message::Text(t))) => serde_json::from_str::<Handshake>(t.as_str())
-                .map_err(|e| format!("bad handshake JSON: {e}"))?,
+            Some(Ok(Message::Text(t))) => {
+                Handshake::decode(t.as_str()).map_err(|e| format!("bad handshake JSON: {e}"))?
+            }
             other => return Err(format!("expected a text handshake, got {other:?}")),
         };
         Ok::<_, String>((ws, cn, hello))
@@ -431,7 +436,12 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         // client has been told.
         drop(registration);
         state.counters.rejected.fetch_add(1, Ordering::Relaxed);
-        log::warn!("hub: rejected peer {peer:?} from {remote}: not in allowed_peers");
+        if let Some(more) = state.rejections.check() {
+            log::warn!(
+                "hub: rejected peer {peer:?} from {remote}: not in allowed_peers ({more} more \
+                 rejections since the last report)"
+            );
+        }
         let close = CloseFrame {
             code: CloseCode::from(CLOSE_NOT_ALLOWED),
             reason: CLOSE_NOT_ALLOWED_REASON.into(),

@@ -51,6 +51,15 @@ pub struct Handshake {
 }
 
 impl Handshake {
+    /// Reads a handshake message: a JSON object. serde would also fill the
+    /// fields from an array, by position; 1.4 reads only objects.
+    pub fn decode(text: &str) -> Result<Handshake, String> {
+        if !text.trim_start().starts_with('{') {
+            return Err("a handshake must be a JSON object".into());
+        }
+        serde_json::from_str(text).map_err(|e| e.to_string())
+    }
+
     /// A client's handshake.
     pub fn client(name: &str, subscribe: Vec<String>, ephemeral: bool) -> Handshake {
         Handshake {
@@ -197,8 +206,13 @@ mod tests {
             Handshake::hub("hub1").to_json(),
             r#"{"instance_name":"hub1","role":"hub","version":"1"}"#
         );
-        let h: Handshake = serde_json::from_str(r#"{"instance_name":"x","extra":1}"#).unwrap();
+        let h = Handshake::decode(r#" {"instance_name":"x","extra":1}"#).unwrap();
         assert_eq!(h.instance_name, "x");
+        // serde alone would fill the fields from an array, by position.
+        assert!(serde_json::from_str::<Handshake>(r#"["x","client","1"]"#).is_ok());
+        for not_an_object in [r#"["x","client","1"]"#, "[]", "1", r#""x""#] {
+            assert!(Handshake::decode(not_an_object).is_err(), "{not_an_object}");
+        }
         assert_eq!(Ack::default().to_json(), r#"{"last_id":""}"#);
     }
 
