@@ -58,6 +58,7 @@ from fed_helpers import (
     hub_status,
     peer,
     raw_records,
+    split_batch,
     stored_ids,
     tls_section,
     wait_peers,
@@ -670,6 +671,33 @@ def test_records_without_an_id_are_audited_one_by_one_only_up_to_a_bound(
     assert len(refused) == 17
     assert "9984 more records without an id" in refused[-1]["detail"], refused[-1]
     assert raw_records(hub.dir, "temps") == [good]
+
+
+def test_subscribing_to_new_channels_spends_the_peers_channel_budget(
+    pki: PKI, tmp_path: Path, start: Starter
+) -> None:
+    """A subscription creates its channel; a handshake naming thousands of
+    new channels must not create thousands of directories. New channels
+    subscribed to and published to share the peer's ``max_channels``."""
+    hub_dir = tmp_path / "hub"
+    node1 = {**peer("node1"), "max_channels": 3}
+    hub = start(hub_config(pki, hub_dir, [node1]))
+    hub.publish("old", "t", {})  # exists: costs no budget
+    asked = ["old", *(f"new{i}" for i in range(200))]
+    with RawPeer(hub_port(hub), pki["node1"], pki.ca) as raw:
+        raw.handshake("node1", subscribe=asked, features=["refusals"])
+        wait_peers(hub, "node1")
+        created = {p.name for p in (hub_dir / "channels").iterdir()}
+        assert created == {"old", "new0", "new1", "new2"}
+        # The budget is spent: a record for yet another new channel is refused.
+        raw.send_binary(batch(envelope("new9", "node1", {})))
+        doc = json.loads(raw.recv_text())
+        assert [r["reason"] for r in doc["refused"]] == ["channel_limit"]
+        # A channel it subscribed to is delivered as before.
+        sent = hub.publish("new1", "t", {"n": 1})
+        assert [rid_of(r) for r in split_batch(raw.recv_binary())] == [sent]
+    (connected,) = audit_events(hub_dir, "client_connected", peer="node1")
+    assert "sub=[old,new0,new1,new2]" in connected["detail"]
 
 
 def test_a_batch_of_many_chunks_is_checked_as_a_whole(hub: Hub, pki: PKI) -> None:

@@ -459,6 +459,16 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
     // peer starts at the end, so a record published between the welcome and
     // its readers' start was never sent to it).
     let subscription = effective_subscription(&hello.subscribe, &entry);
+    // One budget of new channels per peer name, for what it publishes and
+    // what it subscribes to alike (a subscription creates its channel).
+    let budget = state
+        .budgets
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(peer.clone())
+        .or_insert_with(|| Arc::new(super::ChannelBudget::new(entry.max_channels)))
+        .clone();
+    let subscription = within_budget(&shared, &peer, subscription, &budget);
     let out = match open_channels(&shared, &peer, &subscription, hello.ephemeral).await {
         Ok(out) => out,
         Err(e) => {
@@ -507,15 +517,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         received: Some(state.counters.records_received.clone()),
         link: None,
         dead_letters: false,
-        channel_budget: Some(
-            state
-                .budgets
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry(peer.clone())
-                .or_insert_with(|| Arc::new(super::ChannelBudget::new(entry.max_channels)))
-                .clone(),
-        ),
+        channel_budget: Some(budget),
         report_refusals,
     };
     let ended = link::run(shared.clone(), ws, out, inbound, cancel).await;
@@ -525,6 +527,34 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         detail.push_str(&format!(" err={err}"));
     }
     audit(&shared, "peer_disconnected", &peer, &remote_s, detail);
+}
+
+/// The subscribed channels that exist or that the peer's `max_channels`
+/// budget lets it create: subscribing to a channel creates it (its segment
+/// file and the peer's cursor), so without the budget one handshake naming
+/// thousands of new channels made thousands of directories and files. The
+/// others are left out, with a warning.
+fn within_budget(
+    shared: &Shared,
+    peer: &str,
+    subscription: Vec<String>,
+    budget: &super::ChannelBudget,
+) -> Vec<String> {
+    let (kept, over): (Vec<String>, Vec<String>) = subscription.into_iter().partition(|ch| {
+        validate_name(NameKind::Channel, ch).is_err()
+            || shared.store.channel_dir(ch).is_ok_and(|d| d.is_dir())
+            || budget.try_create(ch)
+    });
+    if !over.is_empty() {
+        let shown: Vec<&str> = over.iter().take(5).map(String::as_str).collect();
+        log::warn!(
+            "hub: peer {peer:?} may create no more channels (max_channels): not subscribed to {} \
+             channel(s) that do not exist yet: {shown:?}{}",
+            over.len(),
+            if over.len() > shown.len() { " ..." } else { "" }
+        );
+    }
+    kept
 }
 
 /// Readers for the effective subscription, at each `fed-<peer>` cursor
