@@ -573,12 +573,9 @@ class RawPeer:
         return body
 
     def handshake(
-        self,
-        name: str,
-        subscribe: Sequence[str] = (),
-        ephemeral: bool = False,
+        self, name: str, subscribe: Sequence[str] = (), ephemeral: bool = False,
         features: Sequence[str] = (),
-    ) -> str:
+    ) -> str:  # fmt: skip
         """Sends the client handshake (federation.md §4.2; ``features`` makes
         it this implementation's, not 1.4's); returns the hub's reply."""
         hello: dict[str, Any] = {"instance_name": name, "role": "client", "version": "1"}
