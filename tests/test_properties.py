@@ -180,6 +180,10 @@ def test_dataclass_payloads_round_trip(m: Messenger, reading: Reading) -> None:
 # ---------------------------------------------------------------------------
 
 NAME = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=16)
+#: A peer name (certificate CN) the engine accepts: allowed_peers are checked at load.
+PEER_NAME = st.from_regex(r"[A-Za-z0-9._:-]{1,16}", fullmatch=True).filter(
+    lambda n: n not in (".", "..")
+)
 HOST = st.sampled_from(["localhost", "127.0.0.1", "hub1.example.net", "[::1]", "0.0.0.0", "h-2"])
 STRINGS = st.lists(NAME, max_size=3)
 #: Go durations span about ±292 years; timedelta keeps microseconds.
@@ -196,7 +200,7 @@ def valid_configs(draw: st.DrawFn) -> dict[str, Any]:
     client_enabled = draw(st.booleans())
     tls_set = hub_enabled or client_enabled or draw(st.booleans())
     base = draw(st.integers(min_value=1, max_value=10**6))
-    peers = draw(st.lists(NAME, max_size=4, unique=True))
+    peers = draw(st.lists(PEER_NAME, max_size=4, unique=True))
     return {
         "name": draw(NAME),
         "storage": {
