@@ -465,17 +465,23 @@ pub fn decode_valid_ref(
 
 /// An envelope as [`decode_valid`] and [`decode_valid_ref`] check it.
 trait Checked<'a>: Sized {
-    fn decode(line: &'a [u8]) -> Result<Self, DecodeError>;
+    /// The envelope, and whether the line has the canonical layout (only the
+    /// envelope's keys, header strings without escapes).
+    fn decode(line: &'a [u8]) -> Result<(Self, bool), DecodeError>;
     fn header(&self) -> Header<'_>;
+    fn payload(&self) -> &str;
     fn into_id_channel(self) -> (String, String);
 }
 
 impl<'a> Checked<'a> for Envelope {
-    fn decode(line: &'a [u8]) -> Result<Self, DecodeError> {
-        Envelope::decode(line)
+    fn decode(line: &'a [u8]) -> Result<(Self, bool), DecodeError> {
+        Ok((Envelope::decode(line)?, false))
     }
     fn header(&self) -> Header<'_> {
         Envelope::header(self)
+    }
+    fn payload(&self) -> &str {
+        self.payload.get()
     }
     fn into_id_channel(self) -> (String, String) {
         (self.id, self.channel)
@@ -483,11 +489,17 @@ impl<'a> Checked<'a> for Envelope {
 }
 
 impl<'a> Checked<'a> for EnvelopeRef<'a> {
-    fn decode(line: &'a [u8]) -> Result<Self, DecodeError> {
-        EnvelopeRef::decode(line)
+    fn decode(line: &'a [u8]) -> Result<(Self, bool), DecodeError> {
+        match canonical::decode(line) {
+            Some(e) => Ok((e, true)),
+            None => Ok((decode_full(line)?, false)),
+        }
     }
     fn header(&self) -> Header<'_> {
         EnvelopeRef::header(self)
+    }
+    fn payload(&self) -> &str {
+        &self.payload
     }
     fn into_id_channel(self) -> (String, String) {
         (self.id.into_owned(), self.channel.into_owned())
@@ -520,10 +532,10 @@ fn decode_checked<'a, E: Checked<'a>>(
             size: rec.len(),
             limit,
         };
-        return Err(invalid(error, E::decode(rec).ok()));
+        return Err(invalid(error, E::decode(rec).ok().map(|(env, _)| env)));
     }
-    let env = match E::decode(rec) {
-        Ok(env) => env,
+    let (env, canonical) = match E::decode(rec) {
+        Ok(decoded) => decoded,
         // A decode error may quote a value of any length: keep 200 characters.
         Err(e) => {
             let text: String = e.to_string().chars().take(200).collect();
@@ -532,9 +544,13 @@ fn decode_checked<'a, E: Checked<'a>>(
     };
     // The whole record, not only its payload: keys other than the
     // envelope's are stored as received (and relayed), so their values obey
-    // the same rule (one level deeper, inside the envelope's object).
-    let checked = validate_header(&env.header(), kind)
-        .and_then(|()| scan_json(rec, MAX_PAYLOAD_DEPTH + 1, true));
+    // the same rule (one level deeper, inside the envelope's object). A
+    // line in the canonical layout has no other key, and header strings
+    // without escapes: its payload is all there is to check.
+    let checked = validate_header(&env.header(), kind).and_then(|()| match canonical {
+        true => check_payload(env.payload().as_bytes()),
+        false => scan_json(rec, MAX_PAYLOAD_DEPTH + 1, true),
+    });
     match checked {
         Ok(()) => Ok(env),
         Err(e) => Err(invalid(e, Some(env))),

@@ -492,6 +492,34 @@ fn values_no_reader_can_hold_are_refused() {
     assert!(matches!(e.error, RecordError::BadValue(_)), "{e:?}");
     let fine = deep_key.replace(&nested(MAX_PAYLOAD_DEPTH + 1), &nested(MAX_PAYLOAD_DEPTH));
     decode_valid(fine.as_bytes(), MAX_RECORD_BYTES, NameKind::Channel).unwrap();
+    assert!(decode_valid_ref(fine.as_bytes(), MAX_RECORD_BYTES, NameKind::Channel).is_ok());
+    for rec in [&deep_key, &inf_key] {
+        let Err(e) = decode_valid_ref(rec.as_bytes(), MAX_RECORD_BYTES, NameKind::Channel) else {
+            panic!("accepted: {rec}");
+        };
+        assert!(
+            matches!(e.error, RecordError::TooDeep | RecordError::BadValue(_)),
+            "{e:?}"
+        );
+    }
+    // A record in the canonical layout (the receiver's fast path) has its
+    // payload checked.
+    for payload in [r#""\ud800""#, "1e999", "[1,2e400]"] {
+        let rec = record("id-2", "temps", payload);
+        let Err(e) = decode_valid_ref(&rec, MAX_RECORD_BYTES, NameKind::Channel) else {
+            panic!("accepted: {payload}");
+        };
+        assert!(
+            matches!(e.error, RecordError::BadValue(_)),
+            "{payload}: {e:?}"
+        );
+    }
+    decode_valid_ref(
+        &record("id-3", "temps", "[1e300]"),
+        MAX_RECORD_BYTES,
+        NameKind::Channel,
+    )
+    .unwrap();
     // A local publish obeys the same rule.
     let m = Outgoing {
         payload_type: "t",
