@@ -541,9 +541,7 @@ fn within_budget(
     budget: &super::ChannelBudget,
 ) -> Vec<String> {
     let (kept, over): (Vec<String>, Vec<String>) = subscription.into_iter().partition(|ch| {
-        validate_name(NameKind::Channel, ch).is_err()
-            || shared.store.channel_dir(ch).is_ok_and(|d| d.is_dir())
-            || budget.try_create(ch)
+        validate_name(NameKind::Channel, ch).is_err() || budget.admits(&shared.store, ch)
     });
     if !over.is_empty() {
         let shown: Vec<&str> = over.iter().take(5).map(String::as_str).collect();

@@ -313,8 +313,8 @@ fn refuse_nameless_rest(shared: &Shared, inbound: &Inbound, nameless: usize) {
         return;
     };
     let why = format!(
-        "{rest} more records without an id in this batch were refused (each batch audits the \
-         first {NAMELESS_DETAILED} one by one)"
+        "{rest} more records without an id in this batch were refused as unreadable, invalid or \
+         too large (each batch audits the first {NAMELESS_DETAILED} one by one)"
     );
     if let Some(more) = REFUSAL_LOG.check() {
         log::warn!(
@@ -325,7 +325,7 @@ fn refuse_nameless_rest(shared: &Shared, inbound: &Inbound, nameless: usize) {
     let mut ev = AuditEvent::new("record_refused");
     ev.direction = "inbound".into();
     ev.peer = inbound.peer.clone();
-    ev.detail = format!("reason={} {why}", RefusalReason::Invalid.as_str());
+    ev.detail = why;
     shared.audit.log(ev);
 }
 
@@ -450,12 +450,9 @@ async fn receive_batch(
                 continue;
             }
             if let Some(budget) = &inbound.channel_budget {
-                let is_new = !channels.contains(&*env.channel)
-                    && !shared
-                        .store
-                        .channel_dir(&env.channel)
-                        .is_ok_and(|d| d.is_dir());
-                if is_new && !budget.try_create(&env.channel) {
+                let admitted =
+                    channels.contains(&*env.channel) || budget.admits(&shared.store, &env.channel);
+                if !admitted {
                     let refused = Refused::of(&env.id, &env.channel, RefusalReason::ChannelLimit);
                     let why = "the peer's max_channels is reached";
                     let at = (&mut ack, &mut last_wanted, &mut nameless);

@@ -113,6 +113,12 @@ impl ChannelBudget {
         true
     }
 
+    /// Whether the peer may write to or subscribe to `channel` in `store`:
+    /// it exists, or the budget lets the peer create it (a yes is counted).
+    pub fn admits(&self, store: &Store, channel: &str) -> bool {
+        store.channel_dir(channel).is_ok_and(|d| d.is_dir()) || self.try_create(channel)
+    }
+
     /// Channels created so far.
     pub fn created(&self) -> usize {
         self.created.lock().unwrap_or_else(|e| e.into_inner()).len()
