@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -37,7 +38,7 @@ import json, logging, os, sys
 from keyop_messenger import Config, Messenger
 logging.basicConfig(level=os.environ.get("KEYOP_TEST_HUB_LOG", "WARNING"))
 m = Messenger(Config.from_dict(json.loads(sys.argv[1])))
-print(m.hub_address[1], flush=True)
+print(m.hub_address[1], m.metrics_address[1], flush=True)
 sys.stdin.read()  # serve until the parent closes our stdin
 m.close()
 """
@@ -52,6 +53,7 @@ class HubProcess:
 
     def __init__(self, pki: PKI, data_dir: Path, *, nofile: int | None = None) -> None:
         cfg = hub_config(pki, data_dir, allowlist()).to_dict()
+        cfg["metrics"] = {"listen_addr": f"{HOST}:0"}
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
 
         def limit() -> None:
@@ -70,8 +72,11 @@ class HubProcess:
             assert self.proc.stdout is not None
             ready, _, _ = select.select([self.proc.stdout], [], [], 60)
             line = self.proc.stdout.readline() if ready else b""
-            assert line.strip().isdigit(), f"hub did not start: {line!r} {self.log()}"
-            self.port = int(line)
+            ports = line.split()
+            assert len(ports) == 2 and all(p.isdigit() for p in ports), (
+                f"hub did not start: {line!r} {self.log()}"
+            )
+            self.port, self.metrics_port = (int(p) for p in ports)
         except BaseException:
             self.close()
             raise
@@ -85,6 +90,18 @@ class HubProcess:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
         raise AssertionError("no VmRSS in /proc/PID/status")
+
+    def metric(self, sample: str) -> float:
+        """The value of one sample (``name`` or ``name{labels}``, as the hub
+        writes it) from the hub's ``/metrics``."""
+        url = f"http://{HOST}:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name == sample:
+                return float(value)
+        raise AssertionError(f"no sample {sample} in /metrics: {text[-2000:]}")
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -157,7 +157,8 @@ def test_status_counts_refusals_of_client_links() -> None:
         }
     ]  # fmt: skip
     assert status["refused"] == {
-        "connections_rejected": 0, "client_failed_attempts": 4, "records_refused_by_hubs": 4,
+        "connections_rejected": 0, "connections_failed": 0, "records_refused_from_peers": 0,
+        "client_failed_attempts": 4, "records_refused_by_hubs": 4,
     }  # fmt: skip
     assert status["peers"] == [] and "hub" not in status
 

@@ -1,4 +1,4 @@
-# why this file is long: 20 hostile-peer cases against one hub fixture, sharing a raw
+# why this file is long: 24 hostile-peer cases against one hub fixture, sharing a raw
 # TLS/WebSocket peer.
 """Hostile peers and bad input against a hub (issue 7, part 5).
 
@@ -65,6 +65,8 @@ from fed_helpers import (
     wait_until,
 )
 from keyop_messenger import Config, ConfigError, KeyopError, Messenger
+from keyop_messenger.metrics import render
+from keyop_messenger.stats import HubListenerStats
 
 pki = fed_helpers.pki
 start = fed_helpers.start
@@ -114,6 +116,19 @@ class Hub:
 
     def status(self) -> dict[str, Any]:
         return hub_status(self.m)
+
+    def listener(self) -> HubListenerStats:
+        listener = self.m.stats().federation.listener
+        assert listener is not None, "not a hub"
+        return listener
+
+    def wait_failed(self, **stages: int) -> None:
+        """Waits until the hub has counted exactly ``stages`` connections as
+        failed before their handshake (the others at zero): a connection is
+        counted once the hub is done with it, which may be after the peer
+        sees it closed."""
+        want = {stage: stages.get(stage, 0) for stage in FAILED_STAGES}
+        wait_until(lambda: self.listener().connections_failed == want, f"failed {want}")
 
     def assert_confined(
         self, channels: Collection[str] = (), cursors: Collection[str] = ()
@@ -492,6 +507,8 @@ def test_tls12_client_is_refused_when_13_is_required(
 # Not even TLS / no handshake
 # ---------------------------------------------------------------------------
 
+FAILED_STAGES = ("tls", "websocket", "handshake", "timeout", "evicted")
+
 GARBAGE = {
     "binary-garbage": bytes(range(256)) * 8,
     "http-request": b"GET / HTTP/1.1\r\nHost: hub1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -527,6 +544,39 @@ def test_bad_handshake_message_is_dropped_without_reply(hub: Hub, pki: PKI, firs
     assert audit_events(hub.dir, "client_connected") == []
     assert stored_ids(hub.dir, "temps") == []
     hub.assert_serves_good_peer()
+
+
+def test_hub_counts_what_it_refuses_in_its_metrics(hub: Hub, pki: PKI) -> None:
+    """Refusals reach an operator as counters and Prometheus samples, not only
+    as log lines and audit records: connections that end before their
+    handshake, per stage, and refused records, per reason."""
+    with socket.create_connection(("127.0.0.1", hub.port), timeout=10) as s:
+        s.sendall(GARBAGE["http-request"])  # not TLS
+        s.settimeout(HANDSHAKE_TIMEOUT_S + SLACK_S)
+        with contextlib.suppress(ConnectionResetError):
+            while s.recv(4096):
+                pass
+    with RawPeer(hub.port, pki["node1"], pki.ca) as raw:
+        raw.send_text("not json")
+        expect_closed_without_ack(raw)
+    hub.wait_failed(tls=1, handshake=1)
+    good = envelope("temps", "node1", {"n": 1})
+    too_large = envelope("temps", "node1", "x" * (10 << 20))
+    with RawPeer(hub.port, pki["node1"], pki.ca) as raw:
+        raw.handshake("node1")
+        raw.send_binary(batch(envelope("cmds", "node1", {}), b"{not json", too_large, good))
+        assert raw.recv_text() == ack_of(rid_of(good))
+    listener = hub.listener()
+    refused = {"policy": 1, "too_large": 1, "invalid": 1, "channel_limit": 0}
+    assert listener.records_refused == refused
+    assert listener.records_received == 1
+    assert (listener.connections_accepted, listener.connections_rejected) == (1, 0)
+    lines = render(hub.m.stats()).splitlines()
+    for reason, n in refused.items():
+        assert f'keyop_hub_records_refused_total{{reason="{reason}"}} {n}' in lines
+    for stage in FAILED_STAGES:
+        n = 1 if stage in ("tls", "handshake") else 0
+        assert f'keyop_hub_connections_failed_total{{stage="{stage}"}} {n}' in lines
 
 
 def test_handshake_that_never_comes_times_out(hub: Hub, pki: PKI) -> None:
@@ -568,6 +618,7 @@ def test_handshake_that_never_comes_times_out(hub: Hub, pki: PKI) -> None:
         assert HANDSHAKE_TIMEOUT_S - 0.5 <= took <= bound, f"{name}: closed after {took:.1f}s"
     assert hub.status()["accepted"] == 1, "only the good peer got through"
     assert len(audit_events(hub.dir, "client_connected", peer="node1")) == 1
+    hub.wait_failed(timeout=3)
 
 
 # ---------------------------------------------------------------------------

@@ -99,6 +99,8 @@ def sample_stats() -> Stats:
                 records_received=17,
                 connections_accepted=5,
                 connections_rejected=2,
+                records_refused={"policy": 4, "too_large": 0},
+                connections_failed={"tls": 7, "timeout": 1},
             ),
         ),
     )
@@ -161,6 +163,10 @@ def test_render_families_types_and_values() -> None:
     assert value(samples, "keyop_hub_records_received_total") == 17
     assert value(samples, "keyop_hub_connections_accepted_total") == 5
     assert value(samples, "keyop_hub_connections_rejected_total") == 2
+    assert value(samples, "keyop_hub_records_refused_total", reason="policy") == 4
+    assert value(samples, "keyop_hub_records_refused_total", reason="too_large") == 0
+    assert value(samples, "keyop_hub_connections_failed_total", stage="tls") == 7
+    assert value(samples, "keyop_hub_connections_failed_total", stage="timeout") == 1
 
 
 def test_label_values_and_help_are_escaped_per_the_format() -> None:

@@ -270,6 +270,7 @@ class _FederatedSource:
         listener = HubListenerStats(
             listen_addr="127.0.0.1:7740", peers=["node1"], records_received=9,
             connections_accepted=2, connections_rejected=1,
+            records_refused={"policy": 6, "invalid": 1}, connections_failed={"tls": 3},
         )  # fmt: skip
         return Stats(
             channels=[], totals=Totals(0, 0, 0, 0, 0), latency={},
@@ -304,6 +305,8 @@ def test_page_shows_peers_and_refusals(page: Any) -> None:
         expect(upstream.locator("td.refused")).to_have_attribute("data-value", "5")
         expect(upstream.locator("td.refused-channels")).to_have_text("secret, audit (subscribe)")
         expect(page.locator("#refused-connections")).to_have_text("1")
+        expect(page.locator("#failed-connections")).to_have_text("3")
+        expect(page.locator("#refused-inbound")).to_have_text("7")
         expect(page.locator("#refused-dials")).to_have_text("4")
         expect(page.locator("#refused-records")).to_have_text("5")
         expect(page.locator("#hub")).to_contain_text("127.0.0.1:7740")

@@ -265,8 +265,23 @@ def _listener_families(out: _Writer, listener: HubListenerStats) -> None:
     out.family(
         "keyop_hub_connections_rejected_total",
         "counter",
-        "Connections rejected by the hub listener (TLS, handshake or policy).",
+        "Connections the hub listener rejected because their certificate's name is not "
+        "in allowed_peers.",
         [((), listener.connections_rejected)],
+    )
+    out.family(
+        "keyop_hub_connections_failed_total",
+        "counter",
+        "Connections that ended before their handshake completed, by stage: tls, "
+        "websocket, handshake, timeout, evicted (dropped unfinished for newer ones).",
+        [((("stage", stage),), n) for stage, n in listener.connections_failed.items()],
+    )
+    out.family(
+        "keyop_hub_records_refused_total",
+        "counter",
+        "Records from peers the hub listener refused (never stored nor acknowledged as "
+        "stored), by reason: policy, too_large, invalid, channel_limit.",
+        [((("reason", reason),), n) for reason, n in listener.records_refused.items()],
     )
 
 

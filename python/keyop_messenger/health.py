@@ -185,6 +185,8 @@ class Health:
             "links": [],
             "refused": {
                 "connections_rejected": 0,
+                "connections_failed": 0,
+                "records_refused_from_peers": 0,
                 "client_failed_attempts": 0,
                 "records_refused_by_hubs": 0,
             },
@@ -246,9 +248,14 @@ def _fill(doc: dict[str, Any], source: HealthSource, rates: _Rates) -> None:
             "records_received": listener.records_received,
             "connections_accepted": listener.connections_accepted,
             "connections_rejected": listener.connections_rejected,
+            "connections_failed": dict(listener.connections_failed),
+            "records_refused": dict(listener.records_refused),
         }
         doc["peers"] = [{"name": p, "state": "connected"} for p in listener.peers]
-        doc["refused"]["connections_rejected"] = listener.connections_rejected
+        refused = doc["refused"]
+        refused["connections_rejected"] = listener.connections_rejected
+        refused["connections_failed"] = sum(listener.connections_failed.values())
+        refused["records_refused_from_peers"] = sum(listener.records_refused.values())
     fed_status = getattr(source, "federation_status", None)
     clients = fed_status().clients if callable(fed_status) else []
     failed = {c.addr: c.failed_attempts for c in clients}

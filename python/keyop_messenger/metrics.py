@@ -35,6 +35,8 @@ name                                                            type     labels
 ``keyop_hub_records_received_total``                            counter
 ``keyop_hub_connections_accepted_total``                        counter
 ``keyop_hub_connections_rejected_total``                        counter
+``keyop_hub_connections_failed_total``                          counter  stage
+``keyop_hub_records_refused_total``                             counter  reason
 ==============================================================  =======  ====================
 
 Counters count since the messenger opened (they restart at 0 with the

@@ -105,8 +105,17 @@ class HubListenerStats:
     peers: list[str]
     """Peers connected now."""
     records_received: int
+    """Records stored from peers."""
     connections_accepted: int
     connections_rejected: int
+    """Connections whose certificate's name is not in ``hub.allowed_peers``."""
+    records_refused: dict[str, int] = field(default_factory=dict)
+    """Records refused, per reason: ``policy``, ``too_large``, ``invalid``,
+    ``channel_limit`` (every reason listed, zeros included)."""
+    connections_failed: dict[str, int] = field(default_factory=dict)
+    """Connections that ended before their handshake completed, per stage:
+    ``tls``, ``websocket``, ``handshake``, ``timeout`` (10 s) and ``evicted``
+    (dropped unfinished to make room for newer ones); every stage listed."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,8 @@ def stats_from_engine(raw: dict[str, Any]) -> Stats:
             records_received=listener[2],
             connections_accepted=listener[3],
             connections_rejected=listener[4],
+            records_refused=dict(listener[5]),
+            connections_failed=dict(listener[6]),
         ),
     )
     gaps, gap_bytes, quarantined = raw.get("data_loss", (0, 0, 0))

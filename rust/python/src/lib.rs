@@ -907,9 +907,11 @@ impl PyEngine {
                 (
                     h.local_addr().to_string(),
                     h.connected_peers(),
-                    c.records_received.load(Relaxed),
+                    c.inbound.stored.load(Relaxed),
                     c.accepted.load(Relaxed),
                     c.rejected.load(Relaxed),
+                    c.inbound.refused(),
+                    c.failed(),
                 )
             });
             (links, listener)

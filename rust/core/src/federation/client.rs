@@ -288,7 +288,7 @@ async fn dial_loop(
                             allow: (!ep.subscribe.is_empty())
                                 .then(|| ep.subscribe.iter().cloned().collect()),
                             peer: ep.addr.clone(),
-                            received: None,
+                            counts: None,
                             link: Some(status.clone()),
                             dead_letters: true,
                             channel_budget: None,

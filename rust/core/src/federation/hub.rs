@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::conns::{self, ConnGuard, ConnTable, Limits};
 use super::link::{self, Inbound, OutChannel};
+use super::status::InboundCounts;
 use super::wire::{Handshake, CLOSE_NOT_ALLOWED, CLOSE_NOT_ALLOWED_REASON, FEATURE_REFUSALS};
 use super::{tls, AllowedPeer, FedError, HubSettings, Shared, HANDSHAKE_TIMEOUT};
 use crate::audit::AuditEvent;
@@ -36,9 +37,66 @@ use crate::storage::{compaction, LogReader};
 #[derive(Debug, Default)]
 pub struct HubCounters {
     pub accepted: AtomicU64,
+    /// Connections whose certificate's name is not in `allowed_peers`.
     pub rejected: AtomicU64,
-    /// Records stored from peers.
-    pub records_received: Arc<AtomicU64>,
+    /// Connections that ended before their handshake completed, by stage
+    /// ([`OpeningFailure::ALL`]'s order).
+    failed: [AtomicU64; OpeningFailure::ALL.len()],
+    /// Records stored from peers and refused.
+    pub inbound: Arc<InboundCounts>,
+}
+
+impl HubCounters {
+    fn fail(&self, stage: OpeningFailure) {
+        self.failed[stage as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Connections that ended before their handshake completed, per stage
+    /// (every stage, zeros included).
+    pub fn failed(&self) -> Vec<(&'static str, u64)> {
+        OpeningFailure::ALL
+            .iter()
+            .map(|&f| (f.as_str(), self.failed[f as usize].load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
+/// Where a connection that never became a link ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpeningFailure {
+    /// The TLS handshake failed (no certificate, another CA's, expired, a
+    /// protocol the hub refuses, not TLS at all).
+    Tls,
+    /// TLS completed but the WebSocket upgrade did not.
+    Websocket,
+    /// The first message was not a handshake (or not one this hub reads).
+    Handshake,
+    /// The whole opening took over `HANDSHAKE_TIMEOUT` (10 s).
+    Timeout,
+    /// Dropped unfinished to make room for newer connections (`conns.rs`).
+    Evicted,
+}
+
+impl OpeningFailure {
+    /// Every stage, in the order [`HubCounters`] keeps them.
+    pub const ALL: [OpeningFailure; 5] = [
+        OpeningFailure::Tls,
+        OpeningFailure::Websocket,
+        OpeningFailure::Handshake,
+        OpeningFailure::Timeout,
+        OpeningFailure::Evicted,
+    ];
+
+    /// The metric label: `tls`, `websocket`, `handshake`, `timeout`, `evicted`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OpeningFailure::Tls => "tls",
+            OpeningFailure::Websocket => "websocket",
+            OpeningFailure::Handshake => "handshake",
+            OpeningFailure::Timeout => "timeout",
+            OpeningFailure::Evicted => "evicted",
+        }
+    }
 }
 
 /// Connected ephemeral peers: name -> (connection number -> its cancel
@@ -127,7 +185,7 @@ impl Hub {
         self.addr
     }
 
-    /// Accepted and rejected connection counts.
+    /// Connection and record counts.
     pub fn counters(&self) -> &HubCounters {
         &self.counters
     }
@@ -381,29 +439,42 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         let tls = TlsAcceptor::from(state.tls.current())
             .accept(tcp)
             .await
-            .map_err(|e| format!("TLS handshake: {e}"))?;
+            .map_err(|e| (OpeningFailure::Tls, format!("TLS handshake: {e}")))?;
         let cn = tls
             .get_ref()
             .1
             .peer_certificates()
             .and_then(|c| c.first())
             .and_then(|c| tls::peer_cn(c))
-            .ok_or_else(|| "client certificate has no subject CN".to_string())?;
+            .ok_or_else(|| {
+                let why = "client certificate has no subject CN";
+                (OpeningFailure::Tls, why.to_string())
+            })?;
         guard.identified(&cn);
         let mut ws = tokio_tungstenite::accept_async_with_config(tls, Some(ws_cfg))
             .await
-            .map_err(|e| format!("WebSocket upgrade: {e}"))?;
+            .map_err(|e| (OpeningFailure::Websocket, format!("WebSocket upgrade: {e}")))?;
         let first = ws.next().await;
         let hello = match first {
-            Some(Ok(Message::Text(t))) => {
-                Handshake::decode(t.as_str()).map_err(|e| format!("bad handshake JSON: {e}"))?
+            Some(Ok(Message::Text(t))) => Handshake::decode(t.as_str()).map_err(|e| {
+                (
+                    OpeningFailure::Handshake,
+                    format!("bad handshake JSON: {e}"),
+                )
+            })?,
+            other => {
+                let why = format!("expected a text handshake, got {other:?}");
+                return Err((OpeningFailure::Handshake, why));
             }
-            other => return Err(format!("expected a text handshake, got {other:?}")),
         };
-        Ok::<_, String>((ws, cn, hello))
+        Ok::<_, (OpeningFailure, String)>((ws, cn, hello))
     });
     let opened = tokio::select! {
         _ = guard.cancel.cancelled() => {
+            // Evicted for newer connections, or the hub is closing.
+            if !shared.cancel.is_cancelled() {
+                state.counters.fail(OpeningFailure::Evicted);
+            }
             log::debug!("hub: connection from {remote} dropped before its handshake ended");
             return;
         }
@@ -411,11 +482,13 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
     };
     let (mut ws, peer, hello) = match opened {
         Ok(Ok(v)) => v,
-        Ok(Err(e)) => {
+        Ok(Err((stage, e))) => {
+            state.counters.fail(stage);
             log::info!("hub: connection from {remote} failed: {e}");
             return;
         }
         Err(_) => {
+            state.counters.fail(OpeningFailure::Timeout);
             log::info!("hub: connection from {remote} timed out before the handshake");
             return;
         }
@@ -514,7 +587,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
     let inbound = Inbound {
         allow: (!entry.publish.is_empty()).then(|| entry.publish.iter().cloned().collect()),
         peer: peer.clone(),
-        received: Some(state.counters.records_received.clone()),
+        counts: Some(state.counters.inbound.clone()),
         link: None,
         dead_letters: false,
         channel_budget: Some(budget),

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::buffers::{Pooled, POOL};
 use super::ids::IdList;
-use super::status::{LinkStatus, RefusalReason};
+use super::status::{InboundCounts, LinkStatus, RefusalReason};
 use super::wire::{push_record, split_batch, Ack, Refused};
 use super::{Shared, ACK_TIMEOUT, PING_INTERVAL, READ_TIMEOUT};
 use crate::audit::AuditEvent;
@@ -145,8 +145,8 @@ pub struct Inbound {
     pub allow: Option<FastSet<String>>,
     /// `peer` in audit records.
     pub peer: String,
-    /// Counts records stored from this peer (the hub's listener counter).
-    pub received: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// Counts records stored and refused (the hub listener's counters).
+    pub counts: Option<Arc<InboundCounts>>,
     /// Round trips and unacknowledged bytes of our batches (client links).
     pub link: Option<Arc<LinkStatus>>,
     /// Accept records for `.dead-letter` channels (a client receiving what
@@ -284,7 +284,8 @@ fn refuse_in_ack(
     refuse_listed(shared, inbound, (ack, nameless), refused, why);
 }
 
-/// [`refuse`]s a record of a received batch and lists it in the batch's
+/// Counts a refused record of a received batch (every one, in
+/// [`Inbound::counts`]), [`refuse`]s it and lists it in the batch's
 /// acknowledgement if the peer asked for refusals; past [`NAMELESS_DETAILED`]
 /// records without an id in the batch, only counts it in `nameless`.
 fn refuse_listed(
@@ -294,6 +295,9 @@ fn refuse_listed(
     refused: Refused,
     why: &str,
 ) {
+    if let Some(counts) = &inbound.counts {
+        counts.refuse(RefusalReason::parse(&refused.reason));
+    }
     if refused.id.is_empty() {
         *nameless += 1;
         if *nameless > NAMELESS_DETAILED {
@@ -519,8 +523,8 @@ async fn receive_batch(
                     group.channel
                 ));
             }
-            if let Some(counter) = &inbound.received {
-                counter.fetch_add(n, Ordering::Relaxed);
+            if let Some(counts) = &inbound.counts {
+                counts.stored.fetch_add(n, Ordering::Relaxed);
             }
             shared.seen.settle_each(group.ids.iter(), true);
             shared

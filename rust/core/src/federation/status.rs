@@ -3,7 +3,7 @@
 //! which all import it from here (no import circle between them).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Why a hub refused a record; the `reason` of a refusal on the wire.
@@ -20,6 +20,14 @@ pub enum RefusalReason {
 }
 
 impl RefusalReason {
+    /// Every reason, in the order [`InboundCounts`] keeps them.
+    pub const ALL: [RefusalReason; 4] = [
+        RefusalReason::Policy,
+        RefusalReason::TooLarge,
+        RefusalReason::Invalid,
+        RefusalReason::ChannelLimit,
+    ];
+
     /// The wire form: `policy`, `too_large`, `invalid`, `channel_limit`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -48,6 +56,31 @@ impl RefusalReason {
             RefusalReason::Invalid => "the record is not a valid envelope",
             RefusalReason::ChannelLimit => "this peer may not create more channels on the hub",
         }
+    }
+}
+
+/// What a hub's receivers count of the records its peers send (the
+/// listener's metrics), shared by every connection it serves.
+#[derive(Debug, Default)]
+pub struct InboundCounts {
+    /// Records stored.
+    pub stored: AtomicU64,
+    /// Records refused, by reason ([`RefusalReason::ALL`]'s order).
+    refused: [AtomicU64; RefusalReason::ALL.len()],
+}
+
+impl InboundCounts {
+    /// Counts one refused record.
+    pub fn refuse(&self, reason: RefusalReason) {
+        self.refused[reason as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records refused so far, per reason (every reason, zeros included).
+    pub fn refused(&self) -> Vec<(&'static str, u64)> {
+        RefusalReason::ALL
+            .iter()
+            .map(|&r| (r.as_str(), self.refused[r as usize].load(Ordering::Relaxed)))
+            .collect()
     }
 }
 
