@@ -284,3 +284,70 @@ def test_async_messenger_accepts_a_dict(tmp_path: Path) -> None:
 
     first, *stored = asyncio.run(main())
     assert stored == [first]
+
+
+# -- refused arguments -----------------------------------------------------------
+
+
+def test_with_on_a_closed_messenger_raises_closed_error(tmp_path: Path) -> None:
+    m = Messenger(config_dict(tmp_path))
+    m.close()
+    with pytest.raises(ClosedError), m:
+        pass
+
+
+def test_subscribe_refuses_a_handler_that_cannot_be_called(tmp_path: Path) -> None:
+    with Messenger(config_dict(tmp_path)) as m:
+        for handler in (None, 5):
+            with pytest.raises(TypeError, match="handler must be callable"):
+                m.subscribe("c", "s", handler)  # type: ignore[arg-type]
+        assert not (tmp_path / "data" / "subscribers" / "c" / "s.offset").exists()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_retries": 10**12},
+        {"max_retries": -1},
+        {"backoff": (0.0, float("inf"))},
+        {"backoff": (1e300, 1e300)},
+        {"backoff": (float("nan"), 1.0)},
+        {"backoff": (1.0, 0.5)},
+    ],
+    ids=["retries-huge", "retries-negative", "backoff-inf", "backoff-huge", "backoff-nan",
+         "backoff-reversed"],
+)  # fmt: skip
+def test_out_of_range_subscriber_options_are_config_errors(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
+    with Messenger(config_dict(tmp_path)) as m:
+        with pytest.raises(ConfigError, match="max_retries must be between 0 and"):
+            m.subscribe("c", "s", lambda msg: None, **options)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "message"),
+    [
+        ("storage", "sync_interval_ms", 10**30, "must be between"),
+        ("storage", "segment_size_mb", 2**21, "must be <= 1048576"),
+        ("subscribers", "max_retries", 10**12, "must be <= 4294967295"),
+        ("audit", "max_files", 2**32, "must be <= 4294967295"),
+    ],
+)
+def test_out_of_range_configuration_integers_are_config_errors(
+    tmp_path: Path, section: str, key: str, value: int, message: str
+) -> None:
+    doc = config_dict(tmp_path)
+    doc.setdefault(section, {})[key] = value
+    with pytest.raises(ConfigError, match=f"{section}.{key}: {message}"):
+        Messenger(doc)
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan")])
+def test_flush_refuses_a_bad_timeout(tmp_path: Path, timeout: float) -> None:
+    with Messenger(config_dict(tmp_path)) as m:
+        m.publish("c", "t", 1)
+        with pytest.raises(ValueError, match="timeout must be a finite number"):
+            m.flush(timeout)
+

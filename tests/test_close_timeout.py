@@ -346,3 +346,83 @@ def test_publish_while_the_hub_is_down_times_out(
         bounded(eph.close)
     hub.close()
     assert [e.message.id for e in read_channel(hub_dir, "temps")] == [first, last]
+
+
+# -- a second close, and bad timeouts ------------------------------------------
+
+
+def test_a_second_close_returns_once_the_first_has_released_the_directory(
+    tmp_path: Path,
+) -> None:
+    """close() from another thread while one is waiting for a slow handler
+    returns only once the data directory is free (reopening works at once)."""
+    cfg = {"name": "twice", "storage": {"data_dir": str(tmp_path / "data")}}
+    m = Messenger(cfg)
+    started = threading.Event()
+
+    def slow(msg: Message) -> None:
+        started.set()
+        time.sleep(1.0)
+
+    m.subscribe("c", "s", slow)
+    m.publish("c", "t", 1)
+    assert started.wait(BOUND_S)
+    first = threading.Thread(target=m.close)
+    first.start()
+    time.sleep(0.2)  # the first close is waiting for the handler
+    bounded(m.close)
+    Messenger(cfg).close()  # not DataDirLockedError
+    first.join(BOUND_S)
+
+
+def test_a_close_after_a_handler_closed_waits_for_that_close(tmp_path: Path) -> None:
+    """A handler closes its AsyncMessenger (which starts the close and returns);
+    leaving ``async with`` then returns once the directory is released."""
+    cfg = {"name": "inner", "storage": {"data_dir": str(tmp_path / "data")}}
+
+    async def main() -> None:
+        closed = asyncio.Event()
+        async with AsyncMessenger(cfg) as am:
+
+            async def closer(msg: Message) -> None:
+                await am.close()
+                closed.set()
+
+            await am.subscribe("k", "s", closer)
+            await am.publish("k", "t", 1)
+            await asyncio.wait_for(closed.wait(), BOUND_S)
+        async with AsyncMessenger(cfg):  # not DataDirLockedError
+            pass
+
+    asyncio.run(asyncio.wait_for(main(), BOUND_S))
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf")])
+def test_close_with_a_bad_timeout_raises_and_closes_nothing(
+    tmp_path: Path, timeout: float
+) -> None:
+    cfg = {"name": "bad", "storage": {"data_dir": str(tmp_path / "data")}}
+    m = Messenger(cfg)
+    got: list[Any] = []
+    sub = m.subscribe("c", "s", lambda msg: got.append(msg.payload))
+    with pytest.raises(ValueError, match="timeout must be a finite number"):
+        sub.close(timeout)
+    with pytest.raises(ValueError, match="timeout must be a finite number"):
+        m.close(timeout)
+    assert not m.closed
+    m.publish("c", "t", 1)
+    fed_helpers.wait_until(lambda: got == [1], "delivered after the refused closes")
+    m.close()
+    Messenger(cfg).close()  # released by the real close
+
+    async def main() -> None:
+        am = AsyncMessenger(cfg)
+        await am.open()
+        with pytest.raises(ValueError, match="timeout must be a finite number"):
+            await am.close(timeout)
+        assert not am.closed
+        await am.publish("c", "t", 2)
+        await am.close()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND_S))
+    Messenger(cfg).close()

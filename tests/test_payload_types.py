@@ -290,6 +290,32 @@ def test_payload_that_does_not_fit_names_the_field_path(
     assert message in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("name", "cls", "payload", "message"),
+    [
+        ("demo.Location", Location, Location("x", 2.0), "lat: expected float, got str"),  # type: ignore[arg-type]
+        ("demo.Reading", Reading, None, "location.lat: expected float, got str"),
+        ("demo.Sample", Sample, {"at": "2026-01-01T00:00:00Z", "amount": "1", "unit": "kelvin"},
+         "unit: "),
+        ("demo.Sample", Sample, {"amount": "1", "unit": "celsius"}, "at"),
+    ],
+    ids=["dataclass-field", "nested-field", "typeddict-value", "typeddict-missing-key"],
+)  # fmt: skip
+def test_publish_refuses_a_payload_whose_fields_do_not_fit(
+    m: Messenger, name: str, cls: type, payload: Any, message: str
+) -> None:
+    """Checked at publish as a subscriber will decode it: nothing is stored
+    that every reader would then dead-letter or stop at."""
+    m.register_payload_type(name, cls)
+    if payload is None:
+        payload = reading(location=Location("x", 1.0))  # type: ignore[arg-type]
+    with pytest.raises(PayloadTypeError, match=f"does not fit {cls.__name__}: .*{message}"):
+        m.publish("c", name, payload)
+    with pytest.raises(PayloadTypeError):
+        m.publish_batch("c", [(name, payload)])
+    assert m.stream_end("c") == 0  # nothing was stored
+
+
 def test_subscriber_dead_letters_with_the_field_path(m: Messenger) -> None:
     m.subscribe("c", "s", lambda msg: None).close()  # the id starts at offset 0
     m.publish("c", "demo.Location", {"lat": 1.0, "lon": [2.0]})  # not registered yet

@@ -192,6 +192,8 @@ DURATION = st.timedeltas(
 )
 NON_NEG = st.integers(min_value=0, max_value=2**40)
 POS = st.integers(min_value=1, max_value=2**40)
+#: Keys the engine holds in 32 bits (validation refuses larger values).
+U32 = st.integers(min_value=0, max_value=2**32 - 1)
 
 
 @st.composite
@@ -207,10 +209,10 @@ def valid_configs(draw: st.DrawFn) -> dict[str, Any]:
             "data_dir": draw(NAME),
             "sync_interval_ms": draw(NON_NEG),
             "max_subscriber_lag_mb": draw(st.integers(-(2**31), 2**31)),
-            "compaction_threshold_mb": draw(st.integers(-(2**31), 2**31)),
+            "compaction_threshold_mb": draw(st.integers(-(2**31), 2**20)),
             "offset_flush_interval_ms": draw(NON_NEG),
         },
-        "subscribers": {"max_retries": draw(NON_NEG), "offset_ttl": draw(DURATION)},
+        "subscribers": {"max_retries": draw(U32), "offset_ttl": draw(DURATION)},
         "hub": {
             "enabled": hub_enabled,
             "listen_addr": draw(HOST) + f":{draw(st.integers(0, 65535))}"
@@ -247,7 +249,7 @@ def valid_configs(draw: st.DrawFn) -> dict[str, Any]:
             "max_batch_bytes": draw(POS),
         },
         "dedup": {"seen_id_lru_size": draw(POS)},
-        "audit": {"max_size_mb": draw(POS), "max_files": draw(POS)},
+        "audit": {"max_size_mb": draw(POS), "max_files": draw(U32.filter(bool))},
     }
 
 

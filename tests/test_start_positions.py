@@ -20,6 +20,7 @@ import pytest
 
 from conftest import make_config
 from keyop_messenger import (
+    ChannelNotFoundError,
     ConfigError,
     Message,
     Messenger,
@@ -215,6 +216,32 @@ def test_read_channel_since_until_limit(messenger: Messenger, tmp_path: Path) ->
     got = [e.message.payload["n"] for e in read_channel(data, CH, since=t1, until=t2, limit=2)]
     assert got == [3, 4]
     assert [e.message.payload["n"] for e in read_channel(data, CH, until=offs[2])] == [0, 1]
+
+
+def test_read_channel_start_offset_is_checked_like_every_position(
+    messenger: Messenger,
+) -> None:
+    """A start_offset inside a record, past the end or negative is refused
+    (as ``since=``, ``subscribe(start=)`` and ``seek`` refuse it), never a
+    silent skip to the next record or an empty result."""
+    publish(messenger, range(3))
+    offs = offsets(messenger)
+    end = messenger.stream_end(CH)
+
+    def ns(start: int) -> list[int]:
+        return [e.message.payload["n"] for e in messenger.read_channel(CH, start_offset=start)]
+
+    assert ns(0) == [0, 1, 2]
+    assert ns(offs[1]) == [1, 2]
+    assert ns(end) == []
+    with pytest.raises(ConfigError, match="not the start of a record"):
+        ns(offs[1] + 2)
+    with pytest.raises(ConfigError, match="past the end"):
+        ns(end + 1)
+    with pytest.raises(ConfigError, match="negative"):
+        ns(-1)
+    with pytest.raises(ChannelNotFoundError):
+        messenger.read_channel("nowhere", start_offset=0)
 
 
 def test_async_subscribe_start_and_seek(tmp_path: Path) -> None:

@@ -923,6 +923,32 @@ def test_unsubscribe_deletes_offset_and_restarts_at_end(messenger: Messenger) ->
     assert rec.ids == [a]
 
 
+def test_unsubscribe_from_its_own_handler_leaves_no_offset(messenger: Messenger) -> None:
+    """The handler's thread writes no offset after the unsubscribe (the
+    file would come back, and a new subscription would resume from it instead
+    of the end), and hands no further message of its batch to the handler."""
+    seen: list[Any] = []
+    done = threading.Event()
+
+    def leave(msg: Message) -> None:
+        seen.append(msg.payload)
+        messenger.unsubscribe("ch", "self")
+        done.set()
+
+    messenger.subscribe("ch", "self", leave)
+    publish_n(messenger, "ch", 3)
+    assert done.wait(10)
+    time.sleep(0.3)  # the thread has ended and written what it would write
+    assert seen == [{"n": 0}]
+    assert not offset_file(messenger, "ch", "self").exists()
+    publish_n(messenger, "ch", 2)  # history the returning id must not see
+    rec = Recorder()
+    messenger.subscribe("ch", "self", rec)
+    new = messenger.publish("ch", "t", 9)
+    rec.wait_for(new)
+    assert rec.ids == [new]
+
+
 def test_unsubscribe_of_closed_subscription_deletes_its_offset(messenger: Messenger) -> None:
     messenger.subscribe("ch", "gone", lambda msg: None).close()
     path = offset_file(messenger, "ch", "gone")

@@ -70,6 +70,8 @@ class _SyncContext:
         raise NotImplementedError
 
     def __enter__(self) -> Self:
+        if getattr(self, "_closed", False):
+            raise ClosedError(f"{type(self).__name__} is closed: a with block cannot reopen it")
         self._enter()
         return self
 

@@ -23,6 +23,7 @@ __all__ = [
     "RecordIter",
     "Subscription",
     "__version__",
+    "check_timeout",
     "encode_columns",
     "encode_records",
     "inspect_cert",
@@ -378,6 +379,7 @@ class EphemeralClient:
 def validate_channel(name: str) -> None: ...
 def validate_peer_name(name: str) -> None: ...
 def validate_payload_type(name: str) -> None: ...
+def check_timeout(timeout_s: float | None) -> None: ...
 def read_channel(
     data_dir: str | PathLike[str],
     channel: str,

@@ -256,6 +256,8 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         self._pid = os.getpid()
         self._close_timeout = CLOSE_TIMEOUT_S
         self._completer: tuple[asyncio.AbstractEventLoop, _core.Completer] | None = None
+        #: The close of the underlying object, once started.
+        self._closing: concurrent.futures.Future[None] | None = None
 
     # -- plumbing -----------------------------------------------------------
 
@@ -339,15 +341,24 @@ class _AsyncBase(_AsyncContext, Generic[S]):
 
     async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops every subscription, closes the underlying messenger and the
-        thread pool. Idempotent. Finishes even when the awaiting task is
+        thread pool. Idempotent: a close while another is running returns once
+        that one has finished. Finishes even when the awaiting task is
         cancelled. Called from inside a handler, it starts closing and returns
-        at once (waiting would wait for that handler itself).
+        at once (waiting would wait for that handler itself). A ``timeout``
+        that is not a finite number >= 0 raises :class:`ValueError` and
+        closes nothing.
 
         Waits at most ``timeout`` seconds (default 10) for handlers still
         running, as :meth:`Messenger.close` does. In a process forked after
         it was opened it releases nothing (the pool and the messenger are the
         parent's)."""
+        _core.check_timeout(timeout)
         if self._closed:
+            # Another close is running (one a handler started, perhaps):
+            # return once it has finished, unless this is a handler itself.
+            closing = self._closing
+            if closing is not None and not _IN_HANDLER.get():
+                await _finish(asyncio.wrap_future(closing))
             return
         self._closed = True
         self._close_timeout = timeout
@@ -363,12 +374,12 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         if sync is None:
             self._pool.shutdown(wait=False)
             return
+        closing = self._closing = self._pool.submit(self._close_sync, sync)
         if _IN_HANDLER.get():
-            self._pool.submit(self._close_sync, sync)
             self._pool.shutdown(wait=False)
             return
         try:
-            await _finish(self._submit(self._close_sync, sync))
+            await _finish(asyncio.wrap_future(closing))
         finally:
             self._pool.shutdown(wait=False)
             if self._completer is not None:

@@ -18,12 +18,13 @@ from ._callbacks import OnConnect, OnDisconnect, OnRefused, dispatcher
 from ._closing import CLOSE_TIMEOUT_S, _SyncContext, refuse_when_closed
 from .config import AllowedPeer, Config, GatewayToken, TLSConfig
 from .config.loading import as_config
+from .config.validation import MAX_U32
 from .context import _CONTEXT, resolve
 from .errors import ConfigError, send_batch, unicode_error
 from .message import LogEntry, entry_from_row
 from .payloads import PayloadRegistry, to_plain
 from .positions import Position, to_core
-from .subscription import Deliverer, Handler, Subscription
+from .subscription import Deliverer, Handler, Subscription, in_handler
 
 if TYPE_CHECKING:
     # Imported where used: an idle messenger needs neither (idle memory, docs/performance.md).
@@ -40,6 +41,8 @@ them (deleted by retention, a removed or truncated segment)."""
 _MIB = 1024 * 1024
 #: Seconds between retention passes (as in keyop-messenger 1.4).
 RETENTION_INTERVAL_S = 30.0
+#: Longest retry wait a subscriber's ``backoff`` may give (one day).
+MAX_BACKOFF_S = 86_400.0
 
 # Messengers still open at interpreter exit are closed first, so engine
 # threads never call into a finalising interpreter. Each close waits at most
@@ -90,6 +93,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
         self._registry = PayloadRegistry()
         self._lock = threading.Lock()
         self._closed = False
+        self._close_done = threading.Event()
         self._pid = os.getpid()
         self._metrics: MetricsServer | None = None
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
@@ -307,13 +311,18 @@ class Messenger(_core.MessengerBase, _SyncContext):
         ``fed-`` are reserved) and :class:`SubscriptionError` if the id is
         already subscribed to the channel.
         """
+        if not callable(handler):
+            raise TypeError(
+                f"subscribe({channel!r}, {subscriber_id!r}): handler must be callable, "
+                f"got {type(handler).__name__}"
+            )
         retries = self._config.subscribers.max_retries if max_retries is None else max_retries
         initial_s, max_s = (0.1, 5.0) if backoff is None else backoff
-        if retries < 0 or not 0 <= initial_s <= max_s:
+        if not 0 <= retries <= MAX_U32 or not 0 <= initial_s <= max_s <= MAX_BACKOFF_S:
             raise ConfigError(
-                f"subscribe({channel!r}, {subscriber_id!r}): max_retries must be >= 0 and "
-                f"backoff (initial_s, max_s) must have 0 <= initial_s <= max_s; got "
-                f"max_retries={retries!r}, backoff={backoff!r}"
+                f"subscribe({channel!r}, {subscriber_id!r}): max_retries must be between 0 "
+                f"and {MAX_U32} and backoff (initial_s, max_s) must have 0 <= initial_s <= "
+                f"max_s <= {MAX_BACKOFF_S:g}; got max_retries={retries!r}, backoff={backoff!r}"
             )
         kind, value = to_core(start)
         deliverer = Deliverer(handler, self._registry, channel, subscriber_id)
@@ -342,7 +351,15 @@ class Messenger(_core.MessengerBase, _SyncContext):
     def unsubscribe(self, channel: str, subscriber_id: str) -> None:
         """Stops ``subscriber_id`` (if running) and deletes its offset file, so
         subscribing again starts at the end. Raises :class:`SubscriptionError`
-        if the subscriber does not exist."""
+        if the subscriber does not exist.
+
+        No message is handed to the handler once this is called. It waits up
+        to 10 s for a handler call in progress, as :meth:`close` does (called
+        from that handler, it does not wait); a handler still running then is
+        left to finish, and no offset is written for it."""
+        for subscription in list(self._subscriptions):
+            if (subscription.channel, subscription.subscriber_id) == (channel, subscriber_id):
+                subscription._deliverer.stop()
         try:
             self._engine.unsubscribe(channel, subscriber_id)
         except UnicodeEncodeError as exc:
@@ -384,8 +401,15 @@ class Messenger(_core.MessengerBase, _SyncContext):
         counted in ``Stats.data_loss``).
 
         Raises :class:`ChannelNotFoundError` (at the call, not at the first
-        ``next()``) if the channel does not exist; nothing is created."""
+        ``next()``) if the channel does not exist; nothing is created; and
+        :class:`ConfigError` for a ``start_offset`` that is negative, past the
+        end of the channel or not the start of a record."""
         _check_limit(limit)
+        if since is None:
+            kind, _ = to_core(start_offset, "start_offset")
+            if kind != "offset":
+                raise ConfigError(f"start_offset={start_offset!r} is not a byte offset; "
+                                  "use since= for other positions")
         try:
             if since is not None:
                 start_offset = self._engine.resolve_position(channel, *to_core(since, "since"))
@@ -398,7 +422,10 @@ class Messenger(_core.MessengerBase, _SyncContext):
         return _entries(rows, self._registry, limit)
 
     def stream_end(self, channel: str) -> int:
-        """The committed end of ``channel``: the offset the next record gets."""
+        """The committed end of ``channel``: the offset the next record gets.
+        For a channel not created yet that is 0 (where its first record will
+        go); nothing is created. The reading calls (:meth:`read_channel`,
+        ``since=``) raise :class:`ChannelNotFoundError` for such a channel."""
         try:
             return self._engine.stream_end(channel)
         except UnicodeEncodeError as exc:
@@ -437,22 +464,36 @@ class Messenger(_core.MessengerBase, _SyncContext):
         closed, and the data directory is released. Ctrl-C stops the waiting
         (the close still finishes) and raises :class:`KeyboardInterrupt`.
 
+        A ``close()`` while another thread's is in progress returns once that
+        one has finished (the data directory is then released), except in a
+        handler, which must not wait for its own return.
+
         In a process forked after this messenger was opened, ``close()``
         releases nothing and touches no file (they are the parent's); every
         other call there raises :class:`ForkedProcessError`.
+
+        A ``timeout`` that is not a finite number >= 0 raises
+        :class:`ValueError` and closes nothing.
         """
+        _core.check_timeout(timeout)
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
+        if not first:
+            if os.getpid() == self._pid and not in_handler():
+                self._close_done.wait()
+            return
         _OPEN.discard(self)
         if os.getpid() != self._pid:
             return
-        for subscription in list(self._subscriptions):
-            subscription._deliverer.stop()
-        if self._metrics is not None:
-            self._metrics.close()
-        self._engine.close(timeout)
+        try:
+            for subscription in list(self._subscriptions):
+                subscription._deliverer.stop()
+            if self._metrics is not None:
+                self._metrics.close()
+            self._engine.close(timeout)
+        finally:
+            self._close_done.set()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import json
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -139,13 +140,30 @@ class PayloadRegistry:
 
     def check(self, name: str, payload: Any) -> None:
         """Raises :class:`PayloadTypeError` if ``payload`` does not match the
-        type registered for ``name``. Unregistered names accept any payload."""
+        type registered for ``name``: not an instance of it, or fields that
+        would not decode into it (checked on the payload's JSON form, as a
+        subscriber will decode it, so nothing is stored that its readers
+        would dead-letter). Unregistered names accept any payload."""
         entry = self._entries.get(name)
-        if entry is not None and not entry.check(payload):
+        if entry is None:
+            return
+        if not entry.check(payload):
             raise PayloadTypeError(
                 f"payload for type {name!r} must be {entry.cls.__name__}, "
                 f"got {type(payload).__name__}"
             )
+        if entry.decode is _require_mapping:
+            return  # a registered dict is delivered as it is
+        try:
+            data = json.loads(json.dumps(payload, default=to_plain, allow_nan=False))
+        except (ValueError, TypeError, RecursionError):
+            return  # not JSON at all: the engine refuses it with its own reason
+        try:
+            entry.decode(data)
+        except Exception as exc:  # any constructor/validation failure
+            raise PayloadTypeError(
+                f"payload for type {name!r} does not fit {entry.cls.__name__}: {exc}"
+            ) from None
 
     def check_batch(self, items: list[Any]) -> None:
         """:meth:`check` for each ``(payload_type, payload)`` pair of a batch;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import typing
 from typing import Any
 
@@ -26,6 +27,14 @@ Handler.__doc__ = (
 )
 
 _Failure = tuple[bool, str] | tuple[bool, str, bool] | None
+
+_DELIVERING = threading.local()
+
+
+def in_handler() -> bool:
+    """Whether the calling thread is running a subscription handler (a
+    ``close()`` there must not wait for that handler to return)."""
+    return getattr(_DELIVERING, "active", False)
 
 
 class DeadLetter(Exception):
@@ -67,6 +76,13 @@ class Deliverer:
         # The delivery hot path: one handler call per message. The engine
         # built each Message with its payload still JSON text; it is decoded
         # when first read (here for registered types, else by the handler).
+        _DELIVERING.active = True
+        try:
+            return self._deliver(messages)
+        finally:
+            _DELIVERING.active = False
+
+    def _deliver(self, messages: list[Message]) -> tuple[int, _Failure]:
         handler, entries, decode = self._handler, self._registry.entries, self._registry.decode
         i = 0
         for message in messages:
@@ -154,7 +170,9 @@ class Subscription(_SyncContext):
         if it has not returned by then it is left running, a WARNING names
         the subscriber and channel, and its message stays unacknowledged
         (delivered again to the id's next subscription). Ctrl-C stops the
-        waiting and raises :class:`KeyboardInterrupt`."""
+        waiting and raises :class:`KeyboardInterrupt`. A ``timeout`` that is
+        not a finite number >= 0 raises :class:`ValueError` and stops nothing."""
+        _core.check_timeout(timeout)
         self._deliverer.stop()
         self._core.close(timeout)
 

@@ -19,6 +19,17 @@ from .schema import ITEM_LISTS, SECTIONS, ConfigFields
 LOG_LEVELS = ("", "debug", "info", "warning", "error")
 
 
+#: Largest integer a configuration value may hold (2**53 - 1: exact in every
+#: JSON reader, and within what the engine's counters and limits take).
+MAX_INT = 2**53 - 1
+
+#: Largest value of keys the engine holds in 32 bits.
+MAX_U32 = 2**32 - 1
+
+#: Largest segment size (MiB): 1 TiB.
+MAX_SEGMENT_MB = 2**20
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -69,6 +80,9 @@ def _check_types(obj: Any, path: str, problems: Problems) -> None:
                 if kind == "str" and isinstance(value, (bool, int, float)):
                     message += " (put it in quotes)"
                 problems.add(key, message, bad=True)
+            elif _is_int(value) and not -MAX_INT <= value <= MAX_INT:
+                problems.add(key, f"must be between {-MAX_INT} and {MAX_INT}, got {value}",
+                             bad=True)
 
 
 def _check_string_list(value: Any, key: str, problems: Problems) -> None:
@@ -112,6 +126,15 @@ def _at_least(problems: Problems, section: Any, path: str, name: str, minimum: i
             problems.add(key, f"must be >= {minimum}, got {value}")
 
 
+def _at_most(problems: Problems, section: Any, path: str, name: str, maximum: int) -> None:
+    """Report ``path.name`` if its (usable) value is above ``maximum``."""
+    key = join_key(path, name)
+    if problems.usable(key):
+        value = getattr(section, name)
+        if value is not None and value > maximum:
+            problems.add(key, f"must be <= {maximum}, got {value}")
+
+
 def _positive(problems: Problems, section: Any, path: str, name: str) -> None:
     """Report ``path.name`` if its (usable) value is not > 0."""
     key = join_key(path, name)
@@ -135,6 +158,7 @@ def check_config(config: ConfigFields, problems: Problems) -> None:
     _at_least(problems, storage, "storage", "offset_flush_interval_ms", 0)
 
     _at_least(problems, config.subscribers, "subscribers", "max_retries", 0)
+    _at_most(problems, config.subscribers, "subscribers", "max_retries", MAX_U32)
     _check_segment_size(config, problems)
     _check_retention(config, problems)
 
@@ -165,6 +189,7 @@ def check_config(config: ConfigFields, problems: Problems) -> None:
     _positive(problems, config.dedup, "dedup", "seen_id_lru_size")
     _positive(problems, config.audit, "audit", "max_size_mb")
     _positive(problems, config.audit, "audit", "max_files")
+    _at_most(problems, config.audit, "audit", "max_files", MAX_U32)
 
     if problems.usable("log.level") and config.log.level not in LOG_LEVELS:
         problems.add(
@@ -308,6 +333,7 @@ def _check_gateway(config: ConfigFields, problems: Problems) -> None:
                 problems.add(key, "required when gateway.enabled is true (HTTPS only)")
     for name in ("max_body_bytes", "rate_limit_burst", "max_streams", "max_connections"):
         _positive(problems, gw, "gateway", name)
+    _at_most(problems, gw, "gateway", "rate_limit_burst", MAX_U32)
     _at_least(problems, gw, "gateway", "rate_limit_per_s", 0)
     for name in ("header_timeout", "idle_timeout", "max_wait"):
         key = f"gateway.{name}"
@@ -348,6 +374,9 @@ def _check_segment_size(config: ConfigFields, problems: Problems) -> None:
             "set together with storage.segment_size_mb; compaction_threshold_mb is the "
             "deprecated name of segment_size_mb: keep only segment_size_mb",
         )
+    # Segments of over 1 TiB would overflow the engine's byte counts once in bytes.
+    for name in ("segment_size_mb", "compaction_threshold_mb"):
+        _at_most(problems, storage, "storage", name, MAX_SEGMENT_MB)
 
 
 def _check_retention(config: ConfigFields, problems: Problems) -> None:

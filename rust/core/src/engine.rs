@@ -703,6 +703,28 @@ impl Engine {
         self.subscribe_from(channel, id, handler, opts, StartPosition::Latest, false)
     }
 
+    /// [`Engine::read`] from `from`, which must start a record and not be
+    /// past the channel's end ([`Error::Config`] otherwise, as for a
+    /// subscriber's start). 0, or an offset whose data was deleted, is
+    /// taken as is: the reader starts at the oldest record kept, or reports
+    /// the gap.
+    pub fn read_at(
+        &self,
+        channel: &str,
+        from: u64,
+    ) -> Result<(LogReader, Arc<ChannelWriter>), Error> {
+        let (reader, writer) = self.read(channel, from)?;
+        if from != 0 {
+            let at = StartPosition::Offset(from);
+            let limit = writer.committed_end();
+            match timeindex::resolve(reader.dir(), at, limit, &mut SeekCost::default()) {
+                Ok(_) | Err(PositionError::Gone(_)) => {}
+                Err(e) => return Err(position_error(channel, e)),
+            }
+        }
+        Ok((reader, writer))
+    }
+
     /// Global offset of the record boundary `pos` names in `channel` (see
     /// [`timeindex::resolve`]); a channel that does not exist is
     /// [`StorageError::ChannelNotFound`].
@@ -850,7 +872,15 @@ impl Engine {
         self.check_open()?;
         validate_name(NameKind::Channel, channel)?;
         validate_name(NameKind::SubscriberId, id)?;
-        let was_running = self.stop_subscriber(channel, id);
+        // Its thread must write no offset after the file is deleted: not
+        // even when this is called from its own handler (the stop cannot
+        // wait for that call) or the handler outlasts the stop's wait.
+        let sub = self.subs().remove(&(channel.to_owned(), id.to_owned()));
+        let was_running = sub.is_some();
+        if let Some(s) = sub {
+            s.forget_offset();
+            s.stop();
+        }
         let path = offset_path(&subscribers_dir(self.store.data_dir(), channel), id);
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(()),
@@ -1376,10 +1406,18 @@ pub fn existing_channel_dir(data_dir: &Path, channel: &str) -> Result<std::path:
 
 /// [`timeindex::resolve`] with its errors named after `channel`.
 fn resolve_in(dir: &Path, channel: &str, pos: StartPosition, limit: u64) -> Result<u64, Error> {
-    timeindex::resolve(dir, pos, limit, &mut SeekCost::default()).map_err(|e| match e {
-        PositionError::Invalid(why) => Error::Config(format!("channel {channel:?}: {why}")),
+    timeindex::resolve(dir, pos, limit, &mut SeekCost::default())
+        .map_err(|e| position_error(channel, e))
+}
+
+/// A [`PositionError`] of `channel` as the engine's error.
+fn position_error(channel: &str, e: PositionError) -> Error {
+    match e {
+        PositionError::Invalid(why) | PositionError::Gone(why) => {
+            Error::Config(format!("channel {channel:?}: {why}"))
+        }
         PositionError::Io(e) => io_error(format!("cannot seek in channel {channel:?}"))(e),
-    })
+    }
 }
 
 /// [`Engine::resolve_position`] for a channel of any data directory (no

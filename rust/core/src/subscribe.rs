@@ -369,6 +369,12 @@ impl Subscriber {
         self.stop_within(DEFAULT_STOP_TIMEOUT, &mut || false);
     }
 
+    /// From now on the delivery thread writes no offset (the subscriber is
+    /// being removed and its offset file deleted).
+    pub fn forget_offset(&self) {
+        self.abandoned.store(true, Ordering::Release);
+    }
+
     /// Asks the delivery thread to stop after the handler call in progress,
     /// without waiting.
     pub fn signal_stop(&self) {

@@ -75,7 +75,7 @@ fn seek(dir: &Path, pos: StartPosition) -> (u64, usize) {
     let mut cost = SeekCost::default();
     let at = match resolve(dir, pos, u64::MAX, &mut cost) {
         Ok(at) => at,
-        Err(PositionError::Invalid(why)) => panic!("refused: {why}"),
+        Err(PositionError::Invalid(why) | PositionError::Gone(why)) => panic!("refused: {why}"),
         Err(PositionError::Io(e)) => panic!("io: {e}"),
     };
     (at, cost.reads)
@@ -163,7 +163,7 @@ fn earliest_latest_and_offsets() {
         u64::MAX,
         &mut SeekCost::default(),
     ) {
-        Err(PositionError::Invalid(why)) => why,
+        Err(PositionError::Invalid(why) | PositionError::Gone(why)) => why,
         other => panic!("offset {o} not refused: {other:?}"),
     };
     assert!(refused(offsets[4] + 1).contains("not the start of a record"));

@@ -577,7 +577,7 @@ impl PyEngine {
         until: Option<u64>,
     ) -> PyResult<RecordIter> {
         let (reader, writer) = py
-            .detach(|| self.engine.read(channel, start_offset))
+            .detach(|| self.engine.read_at(channel, start_offset))
             .py_err(py)?;
         Ok(RecordIter {
             limit: Limit::Committed(Some(writer)),
@@ -1054,8 +1054,10 @@ fn flush_loop(
     mut wait: impl FnMut(Duration) -> bool + Send,
     pending: impl FnOnce() -> String + Send,
 ) -> PyResult<()> {
+    let limit = timeout_s
+        .map(|t| timeout_or(Some(t), Duration::ZERO))
+        .transpose()?;
     let started = std::time::Instant::now();
-    let limit = timeout_s.map(|t| Duration::from_secs_f64(t.max(0.0)));
     loop {
         let slice = limit.map_or(Duration::from_millis(100), |l| {
             l.saturating_sub(started.elapsed())
@@ -1771,6 +1773,15 @@ fn validate_peer_name(py: Python<'_>, name: &str) -> PyResult<()> {
         .py_err(py)
 }
 
+/// Raises ValueError unless `timeout_s` is a timeout the extension's waits
+/// take (None, or a finite number of seconds >= 0): for callers that must
+/// check one before they change any state.
+#[pyfunction]
+#[pyo3(signature = (timeout_s))]
+fn check_timeout(timeout_s: Option<f64>) -> PyResult<()> {
+    timeout_or(timeout_s, Duration::ZERO).map(drop)
+}
+
 /// Raises InvalidNameError unless `name` is a valid payload type: the
 /// engine's rule for the envelope's `payload_type` field.
 #[pyfunction]
@@ -1814,6 +1825,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_peer_name, m)?)?;
     m.add_function(wrap_pyfunction!(loss_counts, m)?)?;
     m.add_function(wrap_pyfunction!(validate_payload_type, m)?)?;
+    m.add_function(wrap_pyfunction!(check_timeout, m)?)?;
     keygen::register(m)?;
     message::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -40,6 +40,9 @@ pub enum StartPosition {
 pub enum PositionError {
     /// The position is not usable (message says why and what to do).
     Invalid(String),
+    /// An offset before the oldest record kept: its data was deleted (the
+    /// message says so); a reader starting there meets a gap.
+    Gone(String),
     Io(io::Error),
 }
 
@@ -81,7 +84,7 @@ pub fn resolve(
                 )));
             }
             if o < first {
-                return Err(PositionError::Invalid(format!(
+                return Err(PositionError::Gone(format!(
                     "offset {o} is before the oldest record kept (offset {first}; older \
                      data was deleted by retention); use \"earliest\" or an offset from {first}"
                 )));
