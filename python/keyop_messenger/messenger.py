@@ -302,7 +302,8 @@ class Messenger(_core.MessengerBase, _SyncContext):
         ``initial_s``, each next one twice as long, at most ``max_s``)
         override the configuration for this subscriber. ``dead_letter=False``
         logs (ERROR) and skips a message that failed for good instead of
-        dead-lettering it. A dead letter's payload has the 1.4 fields
+        dead-lettering it; so does a subscriber of a ``.dead-letter`` channel
+        (a dead letter is not dead-lettered again). A dead letter's payload has the 1.4 fields
         (``original``, ``retries``, ``last_error``, ``failed_at``) and
         ``reason`` (``"rejected"`` or ``"retries_exhausted"``), ``attempts``
         (handler calls), ``channel`` and ``offset`` of the original.

@@ -103,11 +103,13 @@ class PayloadRegistry:
     def register(self, name: str, cls: type) -> None:
         """Registers ``cls`` for payload type ``name``.
 
-        Raises :class:`PayloadTypeError` if ``name`` is empty or already
-        registered, or if ``cls`` is not a dataclass, a pydantic model, or a
-        ``dict``/``TypedDict`` class; :class:`InvalidNameError` if ``name`` is
-        not a valid ``payload_type`` (the engine's rule: at most 255 bytes, no
-        control characters), as a publish with it would be refused.
+        Raises :class:`PayloadTypeError` if ``name`` is empty (a publish may
+        use the empty ``payload_type``, as 1.4 allows, but it names no type)
+        or already registered, or if ``cls`` is not a dataclass, a pydantic
+        model, or a ``dict``/``TypedDict`` class; :class:`InvalidNameError` if
+        ``name`` is not a valid ``payload_type`` (the engine's rule: at most
+        255 bytes, no control characters), as a publish with it would be
+        refused.
         """
         if not isinstance(name, str) or not name:
             raise PayloadTypeError("payload type name must be a non-empty string")
