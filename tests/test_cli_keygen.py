@@ -300,3 +300,30 @@ def test_python_dash_m_package(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert (version.returncode, version.stdout) == (0, f"version: {__version__}\n")
+
+
+def test_a_name_no_hub_can_allow_is_written_with_a_warning(
+    ca: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """1.4 takes any --name, and so does this command; but a name outside the
+    peer-name rule cannot be listed in hub.allowed_peers: say so at once."""
+    out_dir = ca[0].parent
+    status, out, err = run(
+        capsys, "keygen", "instance", "--ca", ca[0], "--ca-key", ca[1], "--name", "bad name",
+        "--out-cert", out_dir / "bad.crt", "--out-key", out_dir / "bad.key",
+    )  # fmt: skip
+    assert status == 0 and out.startswith("Subject:     CN=bad name\n")
+    assert err.startswith("warning: invalid peer name \"bad name\": contains ' '"), err
+    assert "hub.allowed_peers" in err and err.count("\n") == 1
+
+
+def test_summary_into_a_closed_pipe_is_not_an_error(tmp_path: Path) -> None:
+    """``keygen inspect ca.crt | head -1``: the reader leaving early is fine."""
+    cmd = [sys.executable, "-m", "keyop_messenger.cli", "keygen"]
+    made = subprocess.run([*cmd, "ca"], cwd=tmp_path, capture_output=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    shell = f"{' '.join(cmd)} inspect ca.crt | head -c 1 >/dev/null; echo ${{PIPESTATUS[0]}}"
+    done = subprocess.run(
+        ["bash", "-c", shell], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert (done.stdout, done.stderr) == ("0\n", ""), done

@@ -206,11 +206,11 @@ def test_missing_config_is_one_line(tmp_path: Path) -> None:
         ["stats", "--config", missing],
         ["dead-letters", "replay", "--config", missing, "c"],
     ]
-    for argv in commands:
-        err = assert_one_error_line(cli(*argv))
+    for argv in commands:  # a missing path: status 2
+        err = assert_one_error_line(cli(*argv), 2)
         assert "cannot read configuration file" in err, argv
     bad = write_config(tmp_path / "bad.yaml", {"storage": {"data_dir": "", "bogus": 1}})
-    err = assert_one_error_line(cli("stats", "--config", bad))
+    err = assert_one_error_line(cli("stats", "--config", bad), 2)
     assert "storage.data_dir" in err and "storage.bogus" in err
 
 
@@ -262,7 +262,9 @@ def test_sub_count_prints_json_lines_and_acknowledges_only_those(tmp_path: Path)
 
 
 def test_sub_timeout_before_count_is_an_error(tmp_path: Path) -> None:
-    cfg, data_dir, _ = local_config(tmp_path)
+    cfg, data_dir, config = local_config(tmp_path)
+    with Messenger(config) as m:
+        m.publish("c", "t", 0)  # before the subscriber: not delivered
     start_t = time.monotonic()
     err = assert_one_error_line(
         cli("sub", "--config", cfg, "c", "--count", "1", "--timeout", "0.5")
@@ -288,8 +290,29 @@ def test_sub_without_id_is_temporary_and_stops_on_sigterm(
     assert lines.empty_for(0.3)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=WAIT_S) == 0
-    assert proc.stderr is not None and proc.stderr.read() == ""
+    # The channel did not exist: subscribing created it, and said so.
+    assert proc.stderr is not None and proc.stderr.read() == (
+        f"keyop-messenger sub: channel 'c' does not exist yet in {data_dir}; "
+        "subscribing creates it and waits for its messages\n"
+    )
     assert list((data_dir / "subscribers").glob("c/*.offset")) == []
+
+
+def test_sub_from_an_offset_that_starts_no_record_is_refused(tmp_path: Path) -> None:
+    """Inside a record or past the end: a usage error (2) naming the offset;
+    the read-only command writes nothing (a reader started mid-record would
+    take the partial line for an unreadable record and quarantine it)."""
+    cfg, data_dir, config = local_config(tmp_path)
+    with Messenger(config) as m:
+        m.publish_batch("c", [("t", {"n": 1}), ("t", {"n": 2})])
+        end = m.stream_end("c")
+    err = assert_one_error_line(cli("sub", "--config", cfg, "c", "--from", "5"), 2)
+    assert "offset 5 is not the start of a record" in err
+    err = assert_one_error_line(cli("sub", "--config", cfg, "c", "--from", str(end + 1)), 2)
+    assert f"offset {end + 1} is past the end of the channel ({end})" in err
+    assert not (data_dir / "quarantine").exists()
+    ok = cli("sub", "--config", cfg, "c", "--from", str(end), "--timeout", "0.2")
+    assert (ok.returncode, ok.stdout) == (0, ""), ok.stderr
 
 
 def test_pub_and_sub_ephemeral_through_a_hub(
@@ -321,6 +344,12 @@ def test_pub_and_sub_ephemeral_through_a_hub(
     doc_line = json.loads(line)
     assert doc_line["id"] in published and doc_line["origin"] == "hub1"
     assert proc.wait(timeout=WAIT_S) == 0
+    # A channel the hub will not deliver to node1: said at once, not waited on.
+    refused = cli("sub", "--config", cfg, "--ephemeral", "secret", "--timeout", "30")
+    assert refused.returncode == 1, refused.stderr
+    err = refused.stderr.splitlines()[-1]  # after the link's own WARNING
+    assert err.startswith("Error: hub ") and "Traceback" not in refused.stderr, refused.stderr
+    assert "will not deliver channel 'secret' to 'node1'" in err, err
 
 
 # ---------------------------------------------------------------------------

@@ -163,6 +163,28 @@ def test_check_reports_unreadable_files_and_bad_data_dir(tmp_path: Path, pki: PK
     assert f"storage.data_dir: {tmp_path / 'file'} exists and is not a directory" in result.stderr
 
 
+def test_check_loads_the_tls_files_as_run_does(tmp_path: Path, pki: PKI) -> None:
+    """What federation refuses when it loads the files, --check refuses too
+    (exit 2, so a service manager does not restart in a loop): a key readable
+    by its group, a key of another certificate."""
+    loose = tmp_path / "loose.key"
+    loose.write_bytes(pki["hub1"].key.read_bytes())
+    loose.chmod(0o640)
+    cases = {
+        "is readable or writable by group or others (mode 0640)": str(loose),
+        "is not the key of the certificate in tls.cert": str(pki["node1"].key),
+    }
+    for expected, key in cases.items():
+        doc = hub_doc(pki, tmp_path / "data")
+        doc["tls"] = dict(doc["tls"], key=key)
+        cfg = write_config(tmp_path / "hub.yaml", doc)
+        for args in (["--check"], []):
+            result = run_once(["--config", str(cfg), *args])
+            assert result.returncode == 2, (args, result.stderr)
+            assert f"Error: {cfg}: tls.key " in result.stderr and expected in result.stderr
+    assert not (tmp_path / "data").exists()
+
+
 def test_runtime_failure_exits_1(tmp_path: Path, pki: PKI) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

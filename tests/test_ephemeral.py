@@ -65,6 +65,8 @@ from keyop_messenger import (
     MessageTooLargeError,
     Messenger,
     PayloadTypeError,
+    PolicyError,
+    SubscriptionError,
     context,
     read_channel,
 )
@@ -759,11 +761,37 @@ def test_unknown_peer_is_rejected(
         bounded(lambda: eph.publish("temps", "test.Reading", {}))
     assert stored_ids(hub_dir, "temps") == []
 
-    # A certificate from an untrusted CA (CN node1, allow-listed) never connects.
+    # A certificate from an untrusted CA (CN node1, allow-listed) never connects,
+    # and the error says which certificate the hub refused.
     foreign = ephemeral(eph_config(pki, tmp_path, hub_port(hub), cert_name="foreign"))
     call = Call(foreign.connect).wait(PROMPT_S)
     assert isinstance(call.error, ConnectionLostError), call.error
+    assert "the hub refused this instance's certificate" in str(call.error), str(call.error)
     assert hub_status(hub)["peers"] == []
+    # Trusting another CA than the hub's: the hub's certificate is the one refused.
+    doc = eph_config(pki, tmp_path, hub_port(hub)).to_dict()
+    doc["tls"]["ca"] = str(pki.foreign_ca)
+    wrong_ca = ephemeral(Config.from_dict(doc))
+    call = Call(wrong_ca.connect).wait(PROMPT_S)
+    assert isinstance(call.error, ConnectionLostError), call.error
+    assert "the hub's certificate is not signed by this instance's tls.ca" in str(call.error)
+
+
+def test_subscribe_to_a_channel_the_client_does_not_receive_is_refused(
+    pki: PKI, tmp_path: Path, start: Starter
+) -> None:
+    """Not asked for when connecting (not in client.hubs[0].subscribe), or
+    refused by the hub's allowlist: an error at subscribe(), not a handler
+    that is never called."""
+    hub = start(hub_config(pki, tmp_path / "hub", [peer("node1", subscribe=["news"])]))
+    cfg = eph_config(pki, tmp_path, hub_port(hub), subscribe=["news", "secret"])
+    with EphemeralMessenger(cfg) as eph:
+        eph.subscribe("news", lambda msg: None)
+        with pytest.raises(SubscriptionError, match="not in the subscribe list of hub"):
+            eph.subscribe("other", lambda msg: None)
+        with pytest.raises(PolicyError, match="will not deliver channel 'secret'"):
+            eph.subscribe("secret", lambda msg: None)
+        assert eph.status()["refused_subscriptions"] == ["secret"]
 
 
 def test_two_ephemeral_clients_with_one_name_coexist(

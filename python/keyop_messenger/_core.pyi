@@ -24,6 +24,7 @@ __all__ = [
     "Subscription",
     "__version__",
     "check_timeout",
+    "check_tls",
     "encode_columns",
     "encode_records",
     "inspect_cert",
@@ -380,6 +381,7 @@ def validate_channel(name: str) -> None: ...
 def validate_peer_name(name: str) -> None: ...
 def validate_payload_type(name: str) -> None: ...
 def check_timeout(timeout_s: float | None) -> None: ...
+def check_tls(cert: str, key: str, ca: str, min_version: str = "1.3") -> None: ...
 def read_channel(
     data_dir: str | PathLike[str],
     channel: str,
@@ -387,6 +389,7 @@ def read_channel(
     *,
     skip_gaps: bool = False,
     until: int | None = None,
+    check_start: bool = True,
 ) -> RecordIter: ...
 def read_columns(
     data_dir: str | PathLike[str],

@@ -22,7 +22,7 @@ from ._closing import _SyncContext, refuse_when_closed
 from .config import Config
 from .config.loading import as_config
 from .context import resolve
-from .errors import ConfigError, send_batch, unicode_error
+from .errors import ConfigError, PolicyError, SubscriptionError, send_batch, unicode_error
 from .message import message_from_parts
 from .payloads import PayloadRegistry, to_plain
 from .subscription import Handler
@@ -126,14 +126,28 @@ class EphemeralMessenger(_SyncContext):
     def subscribe(self, channel: str, handler: Handler) -> None:
         """Calls ``handler(message)`` for every live message on ``channel``.
 
-        Only channels in the hub entry's ``subscribe`` list are received.
-        Handlers run on an engine thread before the hub is acknowledged; an
-        exception is logged (there is no retry or dead letter for ephemeral
-        clients)."""
+        Only channels in the hub entry's ``subscribe`` list are received:
+        another raises :class:`SubscriptionError`, and one the hub's handshake
+        said it will not deliver to this peer (not in its allowed subscribe
+        list) raises :class:`PolicyError`. Handlers run on an engine thread
+        before the hub is acknowledged; an exception is logged (there is no
+        retry or dead letter for ephemeral clients)."""
         try:
             _core.validate_channel(channel)
         except UnicodeEncodeError as exc:
             raise unicode_error(exc, channel=channel) from None
+        hub = self._config.client.hubs[0]
+        if channel not in hub.subscribe:
+            raise SubscriptionError(
+                f"channel {channel!r} is not in the subscribe list of hub {hub.addr} "
+                f"(client.hubs[0].subscribe: {list(hub.subscribe)}): the hub sends only the "
+                "channels asked for when connecting; add it there"
+            )
+        if channel in self._client.status()["refused_subscriptions"]:
+            raise PolicyError(
+                f"hub {hub.addr} will not deliver channel {channel!r} to {self.name!r}: it is "
+                "not in that peer's allowed subscribe list on the hub"
+            )
         with self._lock:
             self._handlers.setdefault(channel, []).append(handler)
 
@@ -217,7 +231,9 @@ class EphemeralMessenger(_SyncContext):
 
     def status(self) -> dict[str, Any]:
         """``connected``, ``reconnects``, ``failed_attempts``, ``unacked_bytes``,
-        and ``refused`` (records the hub refused, per channel)."""
+        ``refused`` (records the hub refused, per channel) and
+        ``refused_subscriptions`` (channels of the subscribe list the hub's
+        handshake said it will not deliver)."""
         return self._client.status()
 
     def flush(self, timeout: float | None = None) -> None:

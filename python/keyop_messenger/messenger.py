@@ -406,11 +406,7 @@ class Messenger(_core.MessengerBase, _SyncContext):
         :class:`ConfigError` for a ``start_offset`` that is negative, past the
         end of the channel or not the start of a record."""
         _check_limit(limit)
-        if since is None:
-            kind, _ = to_core(start_offset, "start_offset")
-            if kind != "offset":
-                raise ConfigError(f"start_offset={start_offset!r} is not a byte offset; "
-                                  "use since= for other positions")
+        _check_start_offset(start_offset)
         try:
             if since is not None:
                 start_offset = self._engine.resolve_position(channel, *to_core(since, "since"))
@@ -568,6 +564,16 @@ def _ms(d: datetime.timedelta) -> int:
     return max(1, int(d.total_seconds() * 1000))
 
 
+def _check_start_offset(start_offset: int) -> None:
+    """A ``start_offset`` must be a byte offset (>= 0): :class:`ConfigError`
+    otherwise. Whether it starts a record is checked by the engine."""
+    kind, _ = to_core(start_offset, "start_offset")
+    if kind != "offset":
+        raise ConfigError(
+            f"start_offset={start_offset!r} is not a byte offset; use since= for other positions"
+        )
+
+
 def read_channel(
     data_dir: str | os.PathLike[str],
     channel: str,
@@ -591,8 +597,10 @@ def read_channel(
     Raises (at the call, not at the first ``next()``)
     :class:`DataDirNotFoundError` if ``data_dir`` does not exist and
     :class:`ChannelNotFoundError` if the channel does not; it never creates
-    anything."""
+    anything; :class:`ConfigError` for a ``start_offset`` that is negative,
+    past the end of the channel or not the start of a record."""
     _check_limit(limit)
+    _check_start_offset(start_offset)
     path = os.fspath(data_dir)
     try:
         if since is not None:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from . import bench, dead_letters, demo, keygen, pubsub, run, stats, token
-from .common import CommandError, OpsUsageError, Parser, PipeClosed, UsageError
+from .common import OPS_COMMANDS, CommandError, OpsUsageError, Parser, PipeClosed, UsageError
 from .logsetup import setup_command_logging
 
 
@@ -70,7 +70,7 @@ def _one_line(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    from ..errors import ChannelNotFoundError, DataDirNotFoundError, KeyopError
+    from ..errors import ChannelNotFoundError, ConfigError, DataDirNotFoundError, KeyopError
 
     parser = _build_parser()
     args_list = _normalise(list(sys.argv[1:] if argv is None else argv))
@@ -79,7 +79,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list[:1] != ["run"]:
         setup_command_logging()
     try:
-        args = parser.parse_args(args_list)
+        try:
+            args = parser.parse_args(args_list)
+        except UsageError as err:
+            # Arguments no subcommand took are reported by the top parser:
+            # still a usage error of the operator command they were given to.
+            ops = bool(args_list) and args_list[0] in OPS_COMMANDS
+            if ops and not isinstance(err, OpsUsageError):
+                raise OpsUsageError(
+                    f"keyop-messenger {args_list[0]}: {err} (see keyop-messenger "
+                    f"{args_list[0]} --help)"
+                ) from None
+            raise
         return _run(args)
     except SystemExit as exit_:  # --help
         return exit_.code if isinstance(exit_.code, int) else 0
@@ -93,6 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (DataDirNotFoundError, ChannelNotFoundError) as err:
         # A path that does not exist: a usage error, and nothing was created.
+        print(f"Error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except ConfigError as err:
+        # The configuration file or an argument (an offset, a position) is
+        # wrong: a usage error, as ``run`` reports it.
         print(f"Error: {_one_line(err)}", file=sys.stderr)
         return 2
     except (UsageError, CommandError, KeyopError, OSError) as err:

@@ -63,12 +63,17 @@ class OpsParser(Parser):
     ops = True
 
 
+#: Names of the operator commands (see :func:`ops_command`).
+OPS_COMMANDS: set[str] = set()
+
+
 def ops_command(
     commands: Any, name: str, func: Callable[[argparse.Namespace], int], **kw: Any
 ) -> Parser:
     """Adds operator command ``name`` (usage errors exit with status 2) running ``func``."""
     sub: Parser = commands.add_parser(name, **kw)
     sub.ops = True
+    OPS_COMMANDS.add(name)
     sub.set_defaults(func=func)
     return sub
 
@@ -295,7 +300,14 @@ def ephemeral_config(config: Config, subscribe: list[str] | None = None) -> Conf
     from ..errors import ConfigError
 
     if not config.client.hubs:
-        raise ConfigError(["client.hubs: --ephemeral needs a hub in client.hubs"])
+        raise ConfigError(
+            [
+                "client.hubs: --ephemeral goes through client.hubs[0], and this configuration "
+                "has none: use the configuration of a client of the hub (a hub's own data "
+                "directory is held by the running hub; its HTTP gateway, if enabled, also "
+                "publishes into it)"
+            ]
+        )
     if subscribe is None:
         return config
     first = dataclasses.replace(config.client.hubs[0], subscribe=subscribe)

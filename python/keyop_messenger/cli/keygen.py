@@ -6,10 +6,11 @@ Usage errors exit with status 1, as in 1.4.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from .._pki import DEFAULT_DAYS, write_ca, write_instance
-from .common import Parser, UsageError
+from .common import Out, Parser, UsageError
 
 
 def _add_output_flags(parser: argparse.ArgumentParser, cert: str, key: str) -> None:
@@ -83,9 +84,27 @@ def run(args: argparse.Namespace) -> int:
             force=args.force,
             sans=args.san,
         )
+        _warn_if_not_a_peer_name(args.name)
     else:
         from .. import _core
 
         summary = _core.inspect_cert(args.file)
-    print(summary)
+    Out().line(summary)
     return 0
+
+
+def _warn_if_not_a_peer_name(name: str) -> None:
+    """1.4 accepts any ``--name`` (shared/spec/cli.md), and so does this
+    command; but a hub identifies a peer by its certificate's CN and can list
+    only valid peer names in ``hub.allowed_peers``: say so at once."""
+    from .. import _core
+    from ..errors import InvalidNameError
+
+    try:
+        _core.validate_peer_name(name)
+    except InvalidNameError as err:
+        print(
+            f"warning: {err}; a hub cannot list this certificate's name in "
+            "hub.allowed_peers, so it can only be a hub's own certificate",
+            file=sys.stderr,
+        )

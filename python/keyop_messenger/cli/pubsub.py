@@ -54,7 +54,8 @@ def add_parsers(commands: Any) -> None:
         help="publish a message (or JSON lines from stdin)",
         description="Publishes JSON to CHANNEL and prints each message id once committed. "
         "Without JSON, every line of stdin is one payload (lines available together are "
-        "published as one batch: all or none).",
+        "published as one batch: all or none); a line that is not JSON stops the command "
+        "after the lines before it are published, and the error says how many were.",
     )
     pub.add_argument("--config", required=True, metavar="F", help=CONFIG_HELP)
     pub.add_argument(
@@ -117,7 +118,8 @@ def add_parsers(commands: Any) -> None:
         "-f",
         "--follow",
         action="store_true",
-        help="keep printing new messages until Ctrl-C / SIGTERM",
+        help="keep printing new messages until Ctrl-C / SIGTERM (a channel that does not "
+        "exist yet is waited for, with a note on stderr)",
     )
     tail.add_argument("channel", metavar="CHANNEL")
 
@@ -263,6 +265,7 @@ def _cmd_sub(args: argparse.Namespace) -> int:
                 _wait(done, args.timeout)
         else:
             m = open_local(args.config, "use --ephemeral to subscribe through a hub")
+            _note_new_channel(Path(config.storage.data_dir), args.channel)
             temporary = args.id is None
             sub_id = args.id or f"cli-{uuid.uuid4().hex[:12]}"
             try:
@@ -286,6 +289,20 @@ def _cmd_sub(args: argparse.Namespace) -> int:
             f"timed out after {args.timeout:g} s: received {state['count']} of {limit} messages"
         )
     return 0
+
+
+def _note_new_channel(data_dir: Path, channel: str) -> None:
+    """Subscribing creates a channel that does not exist yet (as
+    ``subscribe()`` does: a subscriber may come before the first message);
+    say so on stderr, where a mistyped name shows at once."""
+    from .. import _core
+    from ..errors import ChannelNotFoundError
+
+    try:
+        _core.read_channel(os.fspath(data_dir), channel, 0)
+    except ChannelNotFoundError:
+        print(f"keyop-messenger sub: channel {channel!r} does not exist yet in {data_dir}; "
+              "subscribing creates it and waits for its messages", file=sys.stderr, flush=True)
 
 
 def _sub_from_files(data_dir: Path, args: argparse.Namespace) -> int:
@@ -384,10 +401,12 @@ def _cmd_tail(args: argparse.Namespace) -> int:
     check_data_dir(data_dir)
     try:
         _core.read_channel(os.fspath(data_dir), channel, 0)  # InvalidNameError first
-    except ChannelNotFoundError:
+    except ChannelNotFoundError as err:
         if not args.follow:
             raise
-        # --follow waits for the channel to appear.
+        # --follow waits for the channel to appear, and says so.
+        print(f"keyop-messenger tail: {err}; waiting for it to appear (Ctrl-C to stop)",
+              file=sys.stderr, flush=True)
     out = Out()
 
     def emit(row: tuple[Any, ...]) -> None:

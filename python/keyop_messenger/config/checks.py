@@ -107,15 +107,33 @@ def _check_addr(key: str, addr: str, problems: list[str]) -> None:
         problems.append(f"{key}: cannot resolve {host!r} of {addr!r}: {exc}")
 
 
+def _check_tls_material(config: Config, problems: list[str]) -> None:
+    """The checks federation and the gateway make when they load the files:
+    the key's permissions, the key belongs to the certificate, the chain."""
+    from .. import _core
+    from ..errors import FederationError
+
+    tls = config.tls
+    try:
+        _core.check_tls(tls.cert, tls.key, tls.ca, tls.min_version)
+    except FederationError as exc:
+        problems.append(str(exc))  # it names the tls.* key
+
+
 def check_environment(config: Config, now: datetime.datetime | None = None) -> list[str]:
     """Every problem of ``config`` on this machine (empty if none)."""
     now = now or datetime.datetime.now(datetime.timezone.utc)
     problems: list[str] = []
     tls = config.tls
+    readable = 0
     for name in ("cert", "key", "ca"):
         path = getattr(tls, name)
-        if path and _check_readable(f"tls.{name}", path, problems) and name != "key":
-            _check_certificates(f"tls.{name}", path, now, problems)
+        if path and _check_readable(f"tls.{name}", path, problems):
+            readable += 1
+            if name != "key":
+                _check_certificates(f"tls.{name}", path, now, problems)
+    if readable == 3 and not problems:
+        _check_tls_material(config, problems)
     _check_data_dir(config.storage.data_dir, problems)
     if config.hub.enabled and config.hub.listen_addr:
         _check_addr("hub.listen_addr", config.hub.listen_addr, problems)

@@ -884,7 +884,7 @@ def _committed_rows(data_dir: str, channel: str, prefix: str) -> int | None:
     rows, offset = int(progress["rows"]), int(progress["offset"])
     if not os.path.isdir(os.path.join(data_dir, "channels", channel)):
         return rows
-    for record in _core.read_channel(data_dir, channel, offset, skip_gaps=True):
+    for record in _core.read_channel(data_dir, channel, offset, skip_gaps=True, check_start=False):
         rid = record[2]
         if rid.startswith(prefix):
             rows = max(rows, int(rid[len(prefix) :]) + 1)

@@ -715,12 +715,7 @@ impl Engine {
     ) -> Result<(LogReader, Arc<ChannelWriter>), Error> {
         let (reader, writer) = self.read(channel, from)?;
         if from != 0 {
-            let at = StartPosition::Offset(from);
-            let limit = writer.committed_end();
-            match timeindex::resolve(reader.dir(), at, limit, &mut SeekCost::default()) {
-                Ok(_) | Err(PositionError::Gone(_)) => {}
-                Err(e) => return Err(position_error(channel, e)),
-            }
+            check_start(reader.dir(), channel, from, writer.committed_end())?;
         }
         Ok((reader, writer))
     }
@@ -1385,6 +1380,29 @@ pub fn read_channel(data_dir: &Path, channel: &str, from: u64) -> Result<LogRead
     envelope::validate_name(NameKind::Channel, channel)?;
     let dir = existing_channel_dir(data_dir, channel)?;
     Ok(LogReader::new(dir, from))
+}
+
+/// [`read_channel`] from a caller's offset, which must start a record and
+/// not be past the channel's end ([`Error::Config`] otherwise, as for a
+/// subscriber's start; a reader would take a partial line for an unreadable
+/// record). 0, or an offset whose data was deleted, is taken as is: the
+/// reader starts at the oldest record kept, or reports the gap.
+pub fn read_channel_at(data_dir: &Path, channel: &str, from: u64) -> Result<LogReader, Error> {
+    let reader = read_channel(data_dir, channel, from)?;
+    if from != 0 {
+        check_start(reader.dir(), channel, from, u64::MAX)?;
+    }
+    Ok(reader)
+}
+
+/// Whether a read of the channel directory `dir` may start at `from` (see
+/// [`read_channel_at`]); `limit` is the committed end, if known.
+fn check_start(dir: &Path, channel: &str, from: u64, limit: u64) -> Result<(), Error> {
+    let at = StartPosition::Offset(from);
+    match timeindex::resolve(dir, at, limit, &mut SeekCost::default()) {
+        Ok(_) | Err(PositionError::Gone(_)) => Ok(()),
+        Err(e) => Err(position_error(channel, e)),
+    }
 }
 
 /// `data_dir/channels/<channel>` if both exist (the name must already be

@@ -1408,12 +1408,15 @@ impl EphemeralClient {
     }
 
     /// `{"connected", "reconnects", "failed_attempts", "unacked_bytes",
-    /// "refused"}` (`refused`: records the hub refused, per channel).
+    /// "refused", "refused_subscriptions"}` (`refused`: records the hub
+    /// refused, per channel; `refused_subscriptions`: requested channels the
+    /// hub's last handshake said it will not deliver).
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use std::sync::atomic::Ordering::Relaxed;
         let s = self.client.status();
         let d = PyDict::new(py);
         d.set_item("refused", s.refused())?;
+        d.set_item("refused_subscriptions", s.refused_subscriptions())?;
         d.set_item("connected", s.connected.load(Relaxed))?;
         d.set_item("reconnects", s.reconnects.load(Relaxed))?;
         d.set_item("failed_attempts", s.failed_attempts.load(Relaxed))?;
@@ -1636,10 +1639,12 @@ impl RecordIter {
 }
 
 /// Reads records of `channel` in any data directory (also one written by
-/// keyop-messenger 1.4, or in use by another process) from `start_offset`.
+/// keyop-messenger 1.4, or in use by another process) from `start_offset`,
+/// which must start a record and not be past the end (ConfigError) unless
+/// `check_start` is false (a caller reading from an offset it recorded).
 /// A gap raises `DataLossError` unless `skip_gaps`.
 #[pyfunction]
-#[pyo3(signature = (data_dir, channel, start_offset = 0, *, skip_gaps = false, until = None))]
+#[pyo3(signature = (data_dir, channel, start_offset = 0, *, skip_gaps = false, until = None, check_start = true))]
 fn read_channel(
     py: Python<'_>,
     data_dir: PathBuf,
@@ -1647,8 +1652,13 @@ fn read_channel(
     start_offset: u64,
     skip_gaps: bool,
     until: Option<u64>,
+    check_start: bool,
 ) -> PyResult<RecordIter> {
-    let reader = keyop_core::read_channel(&data_dir, channel, start_offset).py_err(py)?;
+    let reader = match check_start {
+        true => keyop_core::engine::read_channel_at(&data_dir, channel, start_offset),
+        false => keyop_core::read_channel(&data_dir, channel, start_offset),
+    }
+    .py_err(py)?;
     Ok(RecordIter {
         reader,
         limit: Limit::Complete,
@@ -1773,6 +1783,31 @@ fn validate_peer_name(py: Python<'_>, name: &str) -> PyResult<()> {
         .py_err(py)
 }
 
+/// Loads the TLS files as federation and the gateway do at start (readable,
+/// key mode, the key belongs to the certificate, certificates valid now and
+/// chained to the CA); raises FederationError saying what is wrong.
+#[pyfunction]
+#[pyo3(signature = (cert, key, ca, min_version = "1.3"))]
+fn check_tls(py: Python<'_>, cert: &str, key: &str, ca: &str, min_version: &str) -> PyResult<()> {
+    let settings = keyop_core::federation::TlsSettings {
+        cert: cert.to_owned(),
+        key: key.to_owned(),
+        ca: ca.to_owned(),
+        min_version: min_version.to_owned(),
+        expiry_warn_days: 0,
+    };
+    use keyop_core::federation::FedError;
+    py.detach(|| keyop_core::federation::tls::TlsMaterial::load(&settings))
+        .map(drop)
+        .map_err(|e| {
+            let why = match e {
+                FedError::Tls(why) => why,
+                e => e.to_string(),
+            };
+            new_err(py, Kind::Federation, why)
+        })
+}
+
 /// Raises ValueError unless `timeout_s` is a timeout the extension's waits
 /// take (None, or a finite number of seconds >= 0): for callers that must
 /// check one before they change any state.
@@ -1826,6 +1861,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loss_counts, m)?)?;
     m.add_function(wrap_pyfunction!(validate_payload_type, m)?)?;
     m.add_function(wrap_pyfunction!(check_timeout, m)?)?;
+    m.add_function(wrap_pyfunction!(check_tls, m)?)?;
     keygen::register(m)?;
     message::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

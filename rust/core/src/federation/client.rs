@@ -105,6 +105,35 @@ pub(crate) enum DialError {
 
 pub(crate) type HubStream = WebSocketStream<TlsStream<TcpStream>>;
 
+/// `text` (a failed dial) with what it most likely means when it is a
+/// certificate refusal: rustls' words (`BadSignature`, `received fatal alert:
+/// DecryptError`) do not say which side's CA is wrong. In TLS 1.3 the hub
+/// checks the client's certificate after the client's handshake ends, so
+/// its refusal arrives as an alert at the first read (the upgrade).
+fn with_tls_hint(text: String) -> String {
+    let hint = if text.contains("invalid peer certificate") {
+        "the hub's certificate is not signed by this instance's tls.ca, or is expired \
+         or not for this host (both sides need certificates of the same CA, from \
+         keygen ca, and the hub's must name the host dialed)"
+    } else if text.contains("received fatal alert")
+        && [
+            "DecryptError",
+            "BadCertificate",
+            "UnknownCA",
+            "CertificateUnknown",
+            "CertificateExpired",
+        ]
+        .iter()
+        .any(|a| text.contains(a))
+    {
+        "the hub refused this instance's certificate: it is not signed by the hub's \
+         tls.ca, or is expired (both sides need certificates of the same CA)"
+    } else {
+        return text;
+    };
+    format!("{text}: {hint}")
+}
+
 /// Dials `ep` and exchanges handshakes (client first), within the handshake timeout.
 pub(crate) async fn connect_once(
     name: &str,
@@ -129,14 +158,14 @@ pub(crate) async fn connect_once(
         let tls = TlsConnector::from(tls)
             .connect(server_name, tcp)
             .await
-            .map_err(|e| DialError::Failed(format!("TLS: {e}")))?;
+            .map_err(|e| DialError::Failed(with_tls_hint(format!("TLS: {e}"))))?;
         let (mut ws, _) = tokio_tungstenite::client_async_with_config(
             format!("wss://{}/", ep.addr),
             tls,
             Some(ws_cfg),
         )
         .await
-        .map_err(|e| DialError::Failed(format!("WebSocket upgrade: {e}")))?;
+        .map_err(|e| DialError::Failed(with_tls_hint(format!("WebSocket upgrade: {e}"))))?;
         ws.send(Message::Text(hello.into()))
             .await
             .map_err(|e| DialError::Failed(e.to_string()))?;

@@ -445,6 +445,20 @@ async fn run(
                 *ctx.publish_allowed
                     .lock()
                     .unwrap_or_else(|e| e.into_inner()) = welcome.publish_allowed.clone();
+                // Subscriptions the hub says it will not deliver (a hub of
+                // this implementation says so; a 1.4 hub does not).
+                let hub_cfg = &ctx.cfg.hub;
+                let refused = super::client::not_allowed(
+                    &hub_cfg.subscribe,
+                    welcome.subscribe_allowed.as_ref(),
+                );
+                for channel in &refused {
+                    log::warn!(
+                        "ephemeral: hub {} will not deliver channel {channel:?} to this peer (not in its allowed subscribe list)",
+                        hub_cfg.addr
+                    );
+                }
+                ctx.status.set_refused_channels(Vec::new(), refused);
                 if ctx.status.connects.fetch_add(1, Ordering::Relaxed) > 0 {
                     ctx.status.reconnects.fetch_add(1, Ordering::Relaxed);
                 }

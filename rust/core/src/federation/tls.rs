@@ -50,9 +50,9 @@ impl TlsMaterial {
         check_readable("ca", &cfg.ca)?;
         check_key_file(&cfg.key)?;
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cfg.cert)
-            .map_err(|e| tls_err("cannot read certificate", &cfg.cert, e))?
+            .map_err(|e| tls_err("cannot read tls.cert", &cfg.cert, e))?
             .collect::<Result<_, _>>()
-            .map_err(|e| tls_err("bad PEM certificate in", &cfg.cert, e))?;
+            .map_err(|e| tls_err("bad PEM certificate in tls.cert", &cfg.cert, e))?;
         if certs.is_empty() {
             return Err(tls_err(
                 "no certificate in",
@@ -70,12 +70,12 @@ impl TlsMaterial {
             check_validity(what, &cfg.cert, der, now, "keygen instance")?;
         }
         let key = PrivateKeyDer::from_pem_file(&cfg.key)
-            .map_err(|e| tls_err("no usable private key in", &cfg.key, e))?;
+            .map_err(|e| tls_err("no usable private key in tls.key", &cfg.key, e))?;
         let mut roots = RootCertStore::empty();
         let cas: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cfg.ca)
-            .map_err(|e| tls_err("cannot read CA file", &cfg.ca, e))?
+            .map_err(|e| tls_err("cannot read tls.ca", &cfg.ca, e))?
             .collect::<Result<_, _>>()
-            .map_err(|e| tls_err("bad PEM certificate in", &cfg.ca, e))?;
+            .map_err(|e| tls_err("bad PEM certificate in tls.ca", &cfg.ca, e))?;
         let issuer = issuer_of(&certs[0]);
         for ca in &cas {
             if issuer.is_some() && subject_of(ca) == issuer {
@@ -91,7 +91,7 @@ impl TlsMaterial {
         for ca in cas {
             roots
                 .add(ca)
-                .map_err(|e| tls_err("unusable CA certificate in", &cfg.ca, e))?;
+                .map_err(|e| tls_err("unusable CA certificate in tls.ca", &cfg.ca, e))?;
         }
         if roots.is_empty() {
             return Err(tls_err(
@@ -116,11 +116,16 @@ impl TlsMaterial {
             versions,
         };
         // Building the server side checks that the key matches the certificate.
-        material.server_config().map_err(|e| {
-            FedError::Tls(format!(
+        material.server_config().map_err(|e| match e {
+            rustls::Error::InconsistentKeys(_) => FedError::Tls(format!(
+                "tls.key {:?} is not the key of the certificate in tls.cert {:?}: use the \
+                 pair keygen instance wrote together",
+                cfg.key, cfg.cert
+            )),
+            e => FedError::Tls(format!(
                 "tls.cert {:?} and tls.key {:?}: {e}",
                 cfg.cert, cfg.key
-            ))
+            )),
         })?;
         Ok(material)
     }
