@@ -1,3 +1,5 @@
+# why this file is long: five operator commands (pub, sub, tail, stats, dead-letters)
+# sharing one set of subprocess helpers and fixtures.
 """The operator commands of ``keyop-messenger`` (pub, sub, tail, stats,
 dead-letters), each run as a subprocess with a bounded timeout."""
 

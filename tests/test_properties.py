@@ -455,18 +455,26 @@ def test_floats_are_stored_exactly(m: Messenger, data_dir: Path) -> None:
 SURROGATE = "a\ud800b"
 
 
-@pytest.mark.parametrize("where", ["channel", "subscriber_id", "read_channel"])
+@pytest.mark.parametrize(
+    "where",
+    ["channel", "subscriber_id", "read_channel", "payload_type", "service_name", "correlation_id"],
+)
 def test_names_with_lone_surrogates_raise_invalid_name_error(
     m: Messenger, data_dir: Path, where: str
 ) -> None:
+    """As a control character in the same field does (the engine's field rules)."""
     before = tree(data_dir)
     with pytest.raises(InvalidNameError):
         if where == "channel":
             m.publish(SURROGATE, "test.Any", {})
         elif where == "subscriber_id":
             m.subscribe("subs", SURROGATE, lambda msg: None)
-        else:
+        elif where == "read_channel":
             list(m.read_channel(SURROGATE))
+        elif where == "payload_type":
+            m.publish("subs", SURROGATE, {})
+        else:
+            m.publish("subs", "test.Any", {}, **{where: SURROGATE})
     assert tree(data_dir) == before
 
 

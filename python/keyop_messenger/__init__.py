@@ -52,9 +52,10 @@ from .errors import (
     SubscriptionError,
 )
 from .message import LogEntry, Message
-from .messenger import Messenger, read_channel
+from .messenger import Messenger
 from .payloads import PayloadRegistry
 from .positions import Position
+from .reading import read_channel
 from .subscription import DeadLetter, Handler, Subscription
 
 _logging.getLogger("keyop_messenger").addHandler(_logging.NullHandler())

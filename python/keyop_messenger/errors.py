@@ -149,13 +149,16 @@ class MetricsError(KeyopError, OSError):
     """The metrics listener could not start (bad address, port in use)."""
 
 
-_NAMES = ("channel", "subscriber_id")
+#: Texts whose errors are :class:`InvalidNameError` (the engine's field
+#: rules for them raise it too); anything else at fault is the payload.
+_NAMES = ("channel", "subscriber_id", "payload_type", "service_name", "correlation_id")
 
 
 def unicode_error(exc: UnicodeEncodeError, **texts: object) -> KeyopError:
     """The library error for text that cannot be handed to the engine (a lone
-    surrogate): :class:`InvalidNameError` when ``texts`` names the channel or
-    subscriber id at fault, else :class:`PayloadTypeError`."""
+    surrogate): :class:`InvalidNameError` when ``texts`` names the channel,
+    subscriber id, payload type, service name or correlation id at fault, as
+    the engine's rules for those fields do; else :class:`PayloadTypeError`."""
     for what, value in texts.items():
         if isinstance(value, str):
             try:

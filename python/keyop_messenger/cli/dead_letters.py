@@ -106,7 +106,7 @@ def _dead_letters(data_dir: Path, channel: str) -> list[Message]:
     """The dead letters of ``channel``: none when it exists but nothing
     failed yet; :class:`ChannelNotFoundError` when ``channel`` does not exist."""
     from ..errors import ChannelNotFoundError
-    from ..messenger import read_channel
+    from ..reading import read_channel
 
     dl_channel = channel + DEAD_LETTER_SUFFIX
     try:
