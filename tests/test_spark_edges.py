@@ -134,6 +134,32 @@ def test_unknown_write_option_raises_with_did_you_mean(
     assert not (tmp_path / "channels" / "x").exists(), "nothing is written on a bad option"
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"payload_type": "t\x01"}, "option 'payload_type': invalid payload_type"),
+        ({"service_name": "s" * 300}, "option 'service_name': invalid service_name"),
+        ({"correlation_id": "c\n"}, "option 'correlation_id': invalid correlation_id"),
+        ({"sync_interval_ms": "-5"}, "storage.sync_interval_ms: must be >= 0"),
+        ({"segment_size_mb": "1", "compaction_threshold_mb": "1"}, "set together with"),
+    ],
+    ids=["payload_type", "service_name", "correlation_id", "sync_interval", "both-sizes"],
+)
+def test_write_options_every_task_would_refuse_are_refused_when_planned(
+    spark: SparkSession, tmp_path: Path, options: dict[str, str], message: str
+) -> None:
+    """Once, on the driver, naming the option: not as a failure of every task
+    (and every retry of it)."""
+    writer = spark.range(3).write.format("keyop").mode("append")
+    for key, value in {"data_dir": str(tmp_path), "channel": "x", "payload_type": "t",
+                       **options}.items():  # fmt: skip
+        writer = writer.option(key, value)
+    with pytest.raises(Exception, match=message) as info:
+        writer.save()
+    assert "PartitionError" not in str(info.value), "refused by the tasks, not when planned"
+    assert not (tmp_path / "channels" / "x").exists()
+
+
 def test_wrongly_typed_option_names_option_value_and_type(
     spark: SparkSession, tmp_path: Path
 ) -> None:
@@ -154,6 +180,22 @@ def test_wrongly_typed_option_names_option_value_and_type(
         spark.range(3).write.format("keyop").mode("append").option(
             "data_dir", str(tmp_path)
         ).option("channel", "x").option("payload_type", "t").option("batch_size", "ten").save()
+
+
+@pytest.mark.parametrize(
+    ("ddl", "why"),
+    [("a INTT", "field 1 .*has the unknown type 'INTT'"), ("a INT,", "field 2 .*is empty")],
+)
+def test_a_bad_payload_schema_names_the_option_and_the_field(
+    spark: SparkSession, tmp_path: Path, ddl: str, why: str
+) -> None:
+    """Spark parses the option inside the envelope's DDL, so its own error
+    pointed at the envelope's columns, not at the user's text."""
+    two_segments(tmp_path / "data")
+    with pytest.raises(Exception, match=f"option 'payload_schema' '{ddl}': {why}"):
+        spark.read.format("keyop").option("data_dir", str(tmp_path / "data")).option(
+            "channel", "c"
+        ).option("payload_schema", ddl).load().collect()
 
 
 # ---------------------------------------------------------------------------

@@ -364,3 +364,41 @@ def test_an_aborted_job_whose_tasks_never_started_does_not_wait_for_the_director
         counts = writer.report(spec, [], aborted=True, job="j4")
     assert counts["rows_committed_by_failed_partitions"] == 0
     assert (data_dir / "spark-progress" / "j4.aborted").exists()
+
+
+def test_a_replayed_micro_batch_writes_nothing_twice_to_a_data_dir(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The driver lost after the sink committed a micro-batch but before Spark
+    logged the commit (its commit log entry deleted here): the restarted query
+    replays the batch under the same job, and its tasks find their rows."""
+    src, dst, checkpoint = tmp_path / "src", tmp_path / "dst", tmp_path / "checkpoint"
+    with km.Messenger({"name": "src", "storage": {"data_dir": str(src)}}) as m:
+        m.publish_batch("in", [("t", {"n": i}) for i in range(100)])
+
+    def run() -> None:
+        query = (
+            spark.readStream.format("keyop").option("data_dir", str(src)).option("channel", "in")
+            .load().select("payload")
+            .writeStream.format("keyop").option("data_dir", str(dst)).option("channel", "out")
+            .option("payload_type", "copy").option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True).start()
+        )  # fmt: skip
+        query.awaitTermination(WAIT_S)
+        assert query.exception() is None, query.exception()
+
+    def ids() -> list[str]:
+        return [r[2] for r in _core.read_channel(str(dst), "out")]
+
+    run()
+    first = ids()
+    assert len(first) == 100
+    commits = checkpoint / "commits"
+    last = max((p for p in commits.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    last.unlink()
+    (commits / f".{last.name}.crc").unlink(missing_ok=True)
+    run()
+    assert ids() == first, "a replayed micro-batch wrote its rows again"
+    # Only the last committed batch's progress is kept.
+    progress = sorted(p.name for p in (dst / "spark-progress").iterdir() if p.is_dir())
+    assert len(progress) == 1, progress

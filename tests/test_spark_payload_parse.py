@@ -148,3 +148,24 @@ def test_the_engine_refuses_what_is_not_an_object_of_the_rows_given() -> None:
         assert _core.parse_payload_fields(data, rows, FLAT) is None, data
     with pytest.raises(Exception, match="not supported"):
         _core.parse_payload_fields(b"{}\n", 1, [("d", "date32")])
+
+
+def test_decimals_keep_every_digit_their_column_holds() -> None:
+    """DECIMAL(38, s) holds 38 digits; rounding to the scale used Python's
+    default 28-digit context, so longer values (Spark infers decimal(38,18)
+    for Decimal) read as null. Values that do not fit stay null."""
+    from decimal import Decimal
+
+    from pyspark.sql.types import DecimalType
+
+    parse = json_to_spark(StructType([StructField("d", DecimalType(38, 18))]))
+    assert parse({"d": "12345678901.500000000000000000"}) == {"d": Decimal("12345678901.5")}
+    assert parse({"d": "12345678901234567890.123456789012345678"}) == {
+        "d": Decimal("12345678901234567890.123456789012345678")
+    }
+    assert parse({"d": "-0.0000000000000000005"}) == {"d": Decimal("-1E-18")}  # half up
+    assert parse({"d": "1" + "0" * 20}) == {"d": None}  # 21 integer digits: does not fit
+    ten = json_to_spark(StructType([StructField("d", DecimalType(38, 10))]))
+    assert ten({"d": "12345678901234567890.0123456789"}) == {
+        "d": Decimal("12345678901234567890.0123456789")
+    }

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 
 _UTC = datetime.timezone.utc
+#: Rounding a decimal to its column's scale: the default context keeps 28
+#: digits, fewer than a DECIMAL(38, s) holds (its values then read as null).
+_DECIMAL_CONTEXT = decimal.Context(prec=80)
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=_UTC)
 
 
@@ -186,7 +189,7 @@ def json_to_spark(dtype: DataType) -> Callable[[Any], Any]:
                 return None
             try:
                 d = decimal.Decimal(str(v).strip()).quantize(
-                    quantum, rounding=decimal.ROUND_HALF_UP
+                    quantum, rounding=decimal.ROUND_HALF_UP, context=_DECIMAL_CONTEXT
                 )
             except (decimal.InvalidOperation, ValueError):
                 return None

@@ -190,6 +190,52 @@ def nullable_ddl(ddl: str) -> str:
     return "".join(out)
 
 
+#: Spark SQL type names a field may start with (parameters and nested
+#: types are left to Spark's parser).
+_DDL_TYPES = frozenset(
+    "STRING CHAR VARCHAR BOOLEAN BOOL TINYINT BYTE SMALLINT SHORT INT INTEGER BIGINT LONG "
+    "FLOAT REAL DOUBLE DECIMAL DEC NUMERIC DATE TIMESTAMP TIMESTAMP_NTZ TIMESTAMP_LTZ BINARY "
+    "ARRAY MAP STRUCT INTERVAL VARIANT VOID".split()
+)
+_DDL_FIELD_RE = re.compile(r"\s*(`(?:[^`]|``)+`|[^\s:`]+)\s*:?\s*([A-Za-z_]+)")
+
+
+def check_payload_ddl(ddl: str) -> None:
+    """Raises ValueError naming the option and the field when ``ddl`` is
+    not a field list Spark can read: an empty field (a stray comma), a
+    field without a type, or a type name Spark does not have. Spark parses
+    the option inside the envelope's own DDL, so its error would point there."""
+    fields: list[str] = []
+    depth, quote, start = 0, None, 0
+    for i, ch in enumerate(ddl):
+        if quote is not None:
+            quote = None if ch == quote else quote
+        elif ch in "`'\"":
+            quote = ch
+        elif ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            fields.append(ddl[start:i])
+            start = i + 1
+    fields.append(ddl[start:])
+    for n, field in enumerate(fields, 1):
+        match = _DDL_FIELD_RE.match(field)
+        if not field.strip():
+            why = "is empty (a stray comma?)"
+        elif match is None:
+            why = "has no type"
+        elif match.group(2).upper() not in _DDL_TYPES:
+            why = f"has the unknown type {match.group(2)!r}"
+        else:
+            continue
+        raise ValueError(
+            f"keyop data source: option 'payload_schema' {ddl!r}: field {n} ({field.strip()!r}) "
+            f"{why}; write fields as 'name TYPE, ...', e.g. 'sensor STRING, celsius DOUBLE'"
+        )
+
+
 def check_channel(channel: str, *, publish: bool) -> None:
     """Raises :class:`InvalidNameError` if ``channel`` is not a valid channel
     name (the engine's rule)."""

@@ -240,7 +240,10 @@ class ReadSpec:
         separated by commas)."""
         o = Options(options)
         o.check_known(READ_OPTIONS, "read")
-        # Absolute, resolved on the driver: executors may run in another directory.
+        # Absolute, resolved when the read is planned, in the Python worker that
+        # plans it (its working directory is where Spark started, not the driver
+        # program's current one; hence "give absolute paths" in the docs):
+        # executors may run in another directory.
         data_dir = os.path.abspath(o.required("data_dir", "the data directory to read"))
         channels = _channel_list(o.required("channel", "the channel(s) to read"))
         if o.get("start_offset") and o.get("startingOffsets"):

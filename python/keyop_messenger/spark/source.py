@@ -15,7 +15,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from .options import ENVELOPE_DDL, SOURCE_NAME, Options, nullable_ddl
+from .options import ENVELOPE_DDL, SOURCE_NAME, Options, check_payload_ddl, nullable_ddl
 from .reader import BatchReader, ReadSpec
 from .streaming import StreamReader, stream_writer
 from .writer import BatchWriter, WriteSpec
@@ -45,6 +45,7 @@ class KeyopDataSource(DataSource):
         otherwise."""
         payload_schema = Options(self.options).get("payload_schema")
         if payload_schema and payload_schema.strip():
+            check_payload_ddl(payload_schema)
             return ENVELOPE_DDL.format(payload=f"STRUCT<{nullable_ddl(payload_schema)}>")
         return ENVELOPE_DDL.format(payload="STRING")
 

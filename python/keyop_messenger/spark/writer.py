@@ -72,6 +72,33 @@ class PartitionCommit(WriterCommitMessage):
     directory and not written again); included in ``rows``."""
 
 
+def _check_on_the_driver(
+    payload_type: str, o: Options, data_dir: str | None, storage: dict[str, int]
+) -> None:
+    """What every task would refuse, refused once when the write is planned:
+    the envelope's text fields (the engine's rule) and the storage options
+    (the configuration's rules). ``ValueError`` names the option."""
+    from .. import _core
+    from ..config import Config
+    from ..errors import ConfigError, InvalidNameError
+
+    fields = {"payload_type": payload_type}
+    for key in ("service_name", "correlation_id"):
+        value = o.get(key)
+        if value:
+            fields[key] = value
+    for key, value in fields.items():
+        try:
+            _core.validate_field(key, value)
+        except InvalidNameError as exc:
+            raise ValueError(f"keyop data source: option {key!r}: {exc}") from None
+    if data_dir is not None and storage:
+        try:
+            Config.from_dict({"name": "spark", "storage": {"data_dir": data_dir, **storage}})
+        except ConfigError as exc:
+            raise ValueError(f"keyop data source: {exc}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class WriteSpec:
     """The checked write options: where to publish and how (built on the driver)."""
@@ -108,7 +135,8 @@ class WriteSpec:
             )
         config_path, data_dir = o.get("config") or None, o.get("data_dir") or None
         if data_dir is not None:
-            data_dir = os.path.abspath(data_dir)  # executors may run in another directory
+            # Absolute when planned (see reader.py): executors may run elsewhere.
+            data_dir = os.path.abspath(data_dir)
         if (config_path is None) == (data_dir is None):
             raise ValueError(
                 "keyop data source: give exactly one of the options 'config' (publish through "
@@ -124,6 +152,7 @@ class WriteSpec:
         for key in ("sync_interval_ms", "segment_size_mb", "compaction_threshold_mb"):
             if o.get(key):
                 storage[key] = o.integer(key, 0, minimum=-(2**31))
+        _check_on_the_driver(payload_type, o, data_dir, storage)
         column = o.get("correlation_id_column") or None
         if column is not None:
             field = next((f for f in schema.fields if f.name == column), None)
@@ -810,7 +839,8 @@ class _Turns:
 # and every later record of the task is at or after the global offset ``o``.
 # Written under the directory lock before the first chunk, then whenever what
 # the task wrote is durable (the end of a turn, the end of the task); the
-# job's folder is removed when the job commits.
+# job's folder is removed when the job commits (a streaming micro-batch's
+# when the query's next batch commits: see report()).
 def _progress_path(data_dir: str, prefix: str) -> str:
     """The progress file of the task whose ids start with ``prefix``."""
     job, partition = prefix.rstrip(":").rsplit(":", 1)
@@ -891,6 +921,21 @@ def _committed_rows(data_dir: str, channel: str, prefix: str) -> int | None:
     return rows
 
 
+def _drop_earlier_batches(data_dir: str, job: str) -> None:
+    """Removes the progress of the micro-batches of ``job``'s query
+    (``s<query>.<batch>``) before its batch: Spark replays at most the last
+    batch whose commit it did not log."""
+    query, _, batch = job.rpartition(".")
+    try:
+        names = os.listdir(os.path.join(data_dir, PROGRESS_DIR))
+    except FileNotFoundError:
+        return
+    for name in names:
+        other_query, _, other = name.rpartition(".")
+        if other_query == query and other.isdigit() and int(other) < int(batch):
+            shutil.rmtree(os.path.join(data_dir, PROGRESS_DIR, name), ignore_errors=True)
+
+
 def _progress_partitions(data_dir: str, job: str, skip: set[int]) -> list[int]:
     """The partitions of ``job`` that have a progress file (those in ``skip`` left out)."""
     try:
@@ -963,7 +1008,14 @@ def report(
             )
         if not replayed:
             for j in jobs:
-                shutil.rmtree(os.path.join(spec.data_dir, PROGRESS_DIR, j), ignore_errors=True)
+                if batch_id is not None and not aborted:
+                    # Spark writes its commit log after this: a driver lost in
+                    # between replays the batch under the same job, whose
+                    # tasks must find what they committed. Kept until the
+                    # query's next batch commits.
+                    _drop_earlier_batches(spec.data_dir, j)
+                else:
+                    shutil.rmtree(os.path.join(spec.data_dir, PROGRESS_DIR, j), ignore_errors=True)
     status = "aborted" if aborted else "committed"
     log.info(
         "keyop write to %r %s: %d rows from %d of %d partitions%s",

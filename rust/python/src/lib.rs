@@ -1826,6 +1826,26 @@ fn validate_payload_type(py: Python<'_>, name: &str) -> PyResult<()> {
         .py_err(py)
 }
 
+/// Raises InvalidNameError unless `value` is a valid `field` of an envelope
+/// (`payload_type`, `service_name` or `correlation_id`): the engine's rule,
+/// for callers that check options before any record is made (Spark's driver).
+#[pyfunction]
+fn validate_field(py: Python<'_>, field: &str, value: &str) -> PyResult<()> {
+    let field: &'static str = match field {
+        "payload_type" => "payload_type",
+        "service_name" => "service_name",
+        "correlation_id" => "correlation_id",
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "not an envelope text field: {other:?}"
+            )))
+        }
+    };
+    keyop_core::envelope::validate_field(field, value)
+        .map_err(keyop_core::Error::InvalidRecord)
+        .py_err(py)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The engine's log records go to Python logging under the package's
@@ -1862,6 +1882,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_payload_type, m)?)?;
     m.add_function(wrap_pyfunction!(check_timeout, m)?)?;
     m.add_function(wrap_pyfunction!(check_tls, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_field, m)?)?;
     keygen::register(m)?;
     message::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
