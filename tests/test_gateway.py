@@ -193,6 +193,27 @@ def test_token_create_prints_a_working_token(pki: fed_helpers.PKI, tmp_path: Pat
         assert c.request("GET", "/v1/channels/sensors/messages")[0] == 403
 
 
+def test_token_channels_must_be_channel_names(
+    pki: fed_helpers.PKI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``token create --publish ../x`` and a gateway.tokens entry listing it
+    are refused (the token could never use it); a token with no channel at
+    all gets a warning."""
+    assert cli_main(["token", "create", "ci", "--publish", "../x"]) == 1
+    _, err = capsys.readouterr()
+    assert err.startswith("Error: token create: --publish '../x': invalid channel name"), err
+    assert cli_main(["token", "create", "idle"]) == 0
+    out, err = capsys.readouterr()
+    assert "token: " in out and "may do nothing" in err
+    entry = {"name": "ci", "hash": "sha256:" + "0" * 64, "publish": ["ok", "../x"],
+             "subscribe": ["a b"]}  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        open_gateway(pki, tmp_path / "data", tokens=[entry])
+    problems = " ".join(info.value.problems)
+    assert "gateway.tokens[0].publish[1]: invalid channel name" in problems, problems
+    assert "gateway.tokens[0].subscribe[0]: invalid channel name" in problems, problems
+
+
 def test_close_stops_the_gateway(pki: fed_helpers.PKI, tmp_path: Path) -> None:
     m = open_gateway(pki, tmp_path / "data")
     addr = m.gateway_address

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import secrets
+import sys
 from typing import Any
 
 from .common import Parser, UsageError
@@ -47,6 +48,18 @@ def _create(args: argparse.Namespace) -> int:
     name = args.name.strip()
     if not name:
         raise UsageError("token create: NAME must not be empty")
+    from .. import _core
+    from ..errors import InvalidNameError
+
+    for flag in ("publish", "subscribe"):
+        for channel in getattr(args, flag):
+            try:
+                _core.validate_channel(channel)
+            except InvalidNameError as exc:
+                raise UsageError(f"token create: --{flag} {channel!r}: {exc}") from None
+    if not args.publish and not args.subscribe:
+        print("warning: with no --publish and no --subscribe the token may do nothing",
+              file=sys.stderr)
     token = secrets.token_urlsafe(32)
     print(f"token: {token}")
     print("(shown once; keep it secret. Add this entry to the configuration:)")

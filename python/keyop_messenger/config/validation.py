@@ -359,6 +359,21 @@ def _check_gateway(config: ConfigFields, problems: Problems) -> None:
                 "must be sha256:<64 lowercase hex digits> (the hash printed by "
                 "`keyop-messenger token create NAME`; never the token itself)",
             )
+        for field in ("publish", "subscribe"):
+            _check_channel_names(problems, f"{path}.{field}", getattr(token, field))
+
+
+def _check_channel_names(problems: Problems, key: str, names: list[str]) -> None:
+    """Reports the entries of the (usable) list ``key`` that are not channel names."""
+    from .. import _core  # the engine's channel-name rule
+
+    if not problems.usable(key):
+        return
+    for index, name in enumerate(names):
+        try:
+            _core.validate_channel(name)
+        except ValueError as exc:  # InvalidNameError, or text that is not Unicode
+            problems.add(f"{key}[{index}]", str(exc))
 
 
 def _check_segment_size(config: ConfigFields, problems: Problems) -> None:

@@ -6,13 +6,29 @@
 //! use std::time::Duration;
 //! use keyop_core::lograte::RateLimit;
 //! static READ_ERRORS: RateLimit = RateLimit::new(Duration::from_secs(10));
-//! if let Some(suppressed) = READ_ERRORS.check() {
-//!     log::error!("cannot read: ... ({suppressed} more since the last report)");
+//! if let Some(held) = READ_ERRORS.check() {
+//!     // "cannot read: ..." and, if any were held back, " (12 more since the last report)"
+//!     log::error!("cannot read: ...{held}");
 //! }
 //! ```
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// Reports held back since the last one let through. Displays as nothing
+/// when there were none, else as ` (N more since the last report)`, to end a
+/// log line with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held(pub u64);
+
+impl std::fmt::Display for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            0 => Ok(()),
+            n => write!(f, " ({n} more since the last report)"),
+        }
+    }
+}
 
 /// Lets one report through per `interval`; counts the ones held back.
 #[derive(Debug)]
@@ -39,10 +55,11 @@ impl RateLimit {
         }
     }
 
-    /// `Some(n)` when the caller should log now, `n` being the reports held
-    /// back since the last one let through; `None` to stay quiet.
-    pub fn check(&self) -> Option<u64> {
-        self.check_at(Instant::now())
+    /// `Some(held)` when the caller should log now, `held` counting the
+    /// reports held back since the last one let through; `None` to stay
+    /// quiet.
+    pub fn check(&self) -> Option<Held> {
+        self.check_at(Instant::now()).map(Held)
     }
 
     fn check_at(&self, now: Instant) -> Option<u64> {
@@ -75,5 +92,7 @@ mod tests {
         assert_eq!(limit.check_at(t0 + Duration::from_secs(10)), Some(1000));
         assert_eq!(limit.check_at(t0 + Duration::from_secs(11)), None);
         assert_eq!(limit.check_at(t0 + Duration::from_secs(20)), Some(1));
+        assert_eq!(Held(0).to_string(), "");
+        assert_eq!(Held(7).to_string(), " (7 more since the last report)");
     }
 }

@@ -586,7 +586,7 @@ async fn serve(
                                 Ok(env) => env,
                                 Err(invalid) => {
                                     if let Some(more) = INVALID_LOG.check() {
-                                        log::warn!("ephemeral client: skipped an invalid record from the hub: {} ({more} more since the last report)", invalid.error);
+                                        log::warn!("ephemeral client: skipped an invalid record from the hub: {}{more}", invalid.error);
                                     }
                                     continue;
                                 }

@@ -294,8 +294,12 @@ async fn accept_loop(state: Arc<HubState>, listener: TcpListener) {
                 let freed = out_of_descriptors(&e) && state.conns.evict_oldest_pending();
                 if let Some(n) = ACCEPT_ERRORS.check() {
                     log::warn!(
-                        "hub: accept failed: {e}{}; retrying in {backoff:?} ({n} more since the last report)",
-                        if freed { "; dropped the oldest unfinished connection" } else { "" }
+                        "hub: accept failed: {e}{}; retrying in {backoff:?}{n}",
+                        if freed {
+                            "; dropped the oldest unfinished connection"
+                        } else {
+                            ""
+                        }
                     );
                 }
                 tokio::select! {
@@ -310,7 +314,7 @@ async fn accept_loop(state: Arc<HubState>, listener: TcpListener) {
         if evicted {
             if let Some(n) = EVICTIONS.check() {
                 log::warn!(
-                    "hub: {} connections are still opening; dropped the oldest for {remote} ({n} more since the last report)",
+                    "hub: {} connections are still opening; dropped the oldest for {remote}{n}",
                     state.conns.limits().pending
                 );
             }
@@ -510,10 +514,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         drop(registration);
         state.counters.rejected.fetch_add(1, Ordering::Relaxed);
         if let Some(more) = state.rejections.check() {
-            log::warn!(
-                "hub: rejected peer {peer:?} from {remote}: not in allowed_peers ({more} more \
-                 rejections since the last report)"
-            );
+            log::warn!("hub: rejected peer {peer:?} from {remote}: not in allowed_peers{more}");
         }
         let close = CloseFrame {
             code: CloseCode::from(CLOSE_NOT_ALLOWED),

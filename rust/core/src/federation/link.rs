@@ -321,10 +321,7 @@ fn refuse_nameless_rest(shared: &Shared, inbound: &Inbound, nameless: usize) {
          too large (each batch audits the first {NAMELESS_DETAILED} one by one)"
     );
     if let Some(more) = REFUSAL_LOG.check() {
-        log::warn!(
-            "{}: {why} ({more} more refusals since the last report)",
-            inbound.peer
-        );
+        log::warn!("{}: {why}{more}", inbound.peer);
     }
     let mut ev = AuditEvent::new("record_refused");
     ev.direction = "inbound".into();
@@ -337,7 +334,7 @@ fn refuse_nameless_rest(shared: &Shared, inbound: &Inbound, nameless: usize) {
 fn refuse(shared: &Shared, inbound: &Inbound, refused: &Refused, why: &str) {
     if let Some(more) = REFUSAL_LOG.check() {
         log::warn!(
-            "{}: refused a record (id {:?}, channel {:?}): {}: {why} ({more} more refusals since the last report)",
+            "{}: refused a record (id {:?}, channel {:?}): {}: {why}{more}",
             inbound.peer,
             refused.id,
             refused.channel,
@@ -680,7 +677,7 @@ where
                     static READ_ERRORS: RateLimit = RateLimit::new(Duration::from_secs(10));
                     if let Some(n) = READ_ERRORS.check() {
                         log::error!(
-                            "channel {:?}: cannot read for federation: {e} ({n} more read errors since the last report)",
+                            "channel {:?}: cannot read for federation: {e}{n}",
                             ch.channel
                         );
                     }

@@ -124,7 +124,7 @@ impl EventSink {
             crate::lograte::RateLimit::new(std::time::Duration::from_secs(10));
         if let Err(std::sync::mpsc::TrySendError::Full(ev)) = self.0.try_send(ev) {
             if let Some(more) = DROPPED.check() {
-                log::warn!("link event dropped, the callbacks are behind: {ev:?} ({more} more since the last report)");
+                log::warn!("link event dropped, the callbacks are behind: {ev:?}{more}");
             }
         }
     }

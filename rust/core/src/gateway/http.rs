@@ -87,7 +87,7 @@ pub(super) async fn handle(
             // requests must not flood the log).
             if let Some(more) = REFUSALS_LOGGED.check() {
                 log::info!(
-                    "gateway: refused a request of {}: {} {} ({more} more refusals since the last report)",
+                    "gateway: refused a request of {}: {} {}{more}",
                     client.remote,
                     r.status,
                     r.message

@@ -105,7 +105,7 @@ pub fn quarantine(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8], rea
             if let Some(n) = FAILED.check() {
                 log::warn!(
                     "channel {channel:?}: unreadable record at offset {offset} ({reason}) \
-                     skipped; cannot copy it to {}: {e} ({n} more since the last report)",
+                     skipped; cannot copy it to {}: {e}{n}",
                     path.display()
                 );
             }
