@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .common import CONFIG_HELP, load, ops_command
+from .common import CONFIG_HELP, load, lock_holder, ops_command
 
 if TYPE_CHECKING:
     from ..config import Config, TLSConfig
@@ -131,7 +131,7 @@ def serve(
     ``set_level`` (None: ``-v``/``-q`` fixed the level); other changed keys
     need a restart."""
     from .._sdnotify import Notifier
-    from ..errors import KeyopError
+    from ..errors import DataDirLockedError, KeyopError
     from ..health import Health
     from ..messenger import Messenger
     from ..metrics import MetricsServer
@@ -173,7 +173,11 @@ def serve(
         log.info("%s: stopping", signal.Signals(signum).name)
         return 0
     except (KeyopError, OSError) as err:
-        log.error("%s", " ".join(str(err).split()) or type(err).__name__)
+        held = ""
+        if isinstance(err, DataDirLockedError):
+            pid = lock_holder(config.storage.data_dir)
+            held = f" (held by process {pid})" if pid is not None else ""
+        log.error("%s%s", " ".join(str(err).split()) or type(err).__name__, held)
         return EXIT_RUNTIME
     finally:
         notifier.notify("STOPPING=1")
