@@ -385,11 +385,11 @@ def test_context_text_that_is_not_unicode_is_named(messenger: Messenger) -> None
     names the one at fault and nothing is written."""
     end = messenger.stream_end("ctx-bad")
     with keyop_messenger.context(correlation_id="c\ud800"), pytest.raises(
-        PayloadTypeError, match=re.escape("correlation id 'c\\ud800'")
+        InvalidNameError, match=re.escape("correlation id 'c\\ud800'")
     ):
         messenger.publish("ctx-bad", "t", 1)
     with keyop_messenger.context(service_name="s\udfff"), pytest.raises(
-        PayloadTypeError, match="service name"
+        InvalidNameError, match="service name"
     ):
         messenger.publish("ctx-bad", "t", 1, correlation_id="fine")
     assert messenger.stream_end("ctx-bad") == end
