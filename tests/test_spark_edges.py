@@ -137,13 +137,15 @@ def test_unknown_write_option_raises_with_did_you_mean(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        ({"data_dir": "FILE"}, "data_dir '.*' is a file, not a data directory"),
         ({"payload_type": "t\x01"}, "option 'payload_type': invalid payload_type"),
         ({"service_name": "s" * 300}, "option 'service_name': invalid service_name"),
         ({"correlation_id": "c\n"}, "option 'correlation_id': invalid correlation_id"),
         ({"sync_interval_ms": "-5"}, "storage.sync_interval_ms: must be >= 0"),
         ({"segment_size_mb": "1", "compaction_threshold_mb": "1"}, "set together with"),
     ],
-    ids=["payload_type", "service_name", "correlation_id", "sync_interval", "both-sizes"],
+    ids=["data-dir-file", "payload_type", "service_name", "correlation_id", "sync_interval",
+         "both-sizes"],
 )
 def test_write_options_every_task_would_refuse_are_refused_when_planned(
     spark: SparkSession, tmp_path: Path, options: dict[str, str], message: str
@@ -151,9 +153,10 @@ def test_write_options_every_task_would_refuse_are_refused_when_planned(
     """Once, on the driver, naming the option: not as a failure of every task
     (and every retry of it)."""
     writer = spark.range(3).write.format("keyop").mode("append")
+    (tmp_path / "file").write_text("")
     for key, value in {"data_dir": str(tmp_path), "channel": "x", "payload_type": "t",
                        **options}.items():  # fmt: skip
-        writer = writer.option(key, value)
+        writer = writer.option(key, str(tmp_path / "file") if value == "FILE" else value)
     with pytest.raises(Exception, match=message) as info:
         writer.save()
     assert "PartitionError" not in str(info.value), "refused by the tasks, not when planned"
@@ -220,6 +223,10 @@ def test_missing_data_dir_or_channel_raises_unless_allow_missing(
     assert read(tmp_path / "nope", "c", allowMissing="true").count() == 0
     assert read(tmp_path / "data", "c", allowMissing="true").count() == 0
     assert not (tmp_path / "nope").exists(), "reading never creates a data directory"
+    (tmp_path / "file").write_text("")
+    for extra in ({}, {"allowMissing": "true"}):  # a file is not a missing directory
+        with pytest.raises(Exception, match=r"data_dir '.*file' is a file, not a data directory"):
+            read(tmp_path / "file", "c", **extra).collect()
 
 
 def test_check_exists_names_the_error(tmp_path: Path) -> None:

@@ -491,6 +491,11 @@ def check_exists(data_dir: str, channel: str, *, allow_missing: bool) -> bool:
     from ..errors import ChannelNotFoundError, DataDirNotFoundError
 
     if not os.path.isdir(data_dir):
+        if os.path.exists(data_dir):  # a file: not a missing directory, allowMissing or not
+            raise NotADirectoryError(
+                f"keyop data source: data_dir {data_dir!r} is a file, not a data directory; "
+                "check the option 'data_dir'"
+            )
         if allow_missing:
             return False
         raise DataDirNotFoundError(

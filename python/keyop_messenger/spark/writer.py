@@ -92,6 +92,11 @@ def _check_on_the_driver(
             _core.validate_field(key, value)
         except InvalidNameError as exc:
             raise ValueError(f"keyop data source: option {key!r}: {exc}") from None
+    if data_dir is not None and os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise ValueError(
+            f"keyop data source: data_dir {data_dir!r} is a file, not a data directory; "
+            "check the option 'data_dir'"
+        )
     if data_dir is not None and storage:
         try:
             Config.from_dict({"name": "spark", "storage": {"data_dir": data_dir, **storage}})
