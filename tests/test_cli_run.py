@@ -78,6 +78,11 @@ def test_bad_config_exits_2_naming_file_and_key(tmp_path: Path) -> None:
     assert f"{tmp_path / 'absent.yaml'}: cannot read configuration file" in missing.stderr
     usage = run_once([])
     assert usage.returncode == 2 and "--config" in usage.stderr
+    # Arguments run does not take, and -v with -q, are usage errors too.
+    for args in (["--bogus"], ["-v", "-q"]):
+        usage = run_once(["--config", str(cfg), *args])
+        assert usage.returncode == 2, (args, usage.stderr)
+        assert usage.stderr.startswith("Error: keyop-messenger run: "), usage.stderr
 
 
 def test_check_validates_without_starting(tmp_path: Path, pki: PKI) -> None:

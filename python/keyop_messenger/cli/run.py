@@ -65,11 +65,12 @@ def add_parsers(commands: Any) -> None:
         help="override one key of the file (repeatable; over KEYOP_<SECTION>__<KEY> "
         "environment variables, which are over the file)",
     )  # fmt: skip
-    run.add_argument(
+    loudness = run.add_mutually_exclusive_group()
+    loudness.add_argument(
         "-v", "--verbose", action="count", default=0,
         help="log more: -v debug for keyop_messenger, -vv debug for every library",
     )  # fmt: skip
-    run.add_argument(
+    loudness.add_argument(
         "-q", "--quiet", action="count", default=0, help="log less: -q warnings, -qq errors"
     )
     run.add_argument(
