@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import fed_helpers
-from fed_helpers import PKI, Starter, client_config, hub_config, hub_port, peer, stored
+from fed_helpers import PKI, Starter, client_config, hub_config, hub_port, peer, stored, wait_until
 from keyop_messenger import Config, Message, Messenger, read_channel
 
 pki = fed_helpers.pki
@@ -315,6 +315,22 @@ def test_sub_from_an_offset_that_starts_no_record_is_refused(tmp_path: Path) -> 
     assert not (data_dir / "quarantine").exists()
     ok = cli("sub", "--config", cfg, "c", "--from", str(end), "--timeout", "0.2")
     assert (ok.returncode, ok.stdout) == (0, ""), ok.stderr
+
+
+def test_pub_beside_a_stopped_client_is_forwarded_once_it_runs(
+    pki: PKI, tmp_path: Path, start: Starter
+) -> None:
+    """``pub`` with a client's configuration while the client is not running
+    (before its first run, here): the link's cursor starts before the record,
+    so the client forwards it once it runs (it used to start at the end then)."""
+    hub_dir = tmp_path / "hub"
+    hub = start(hub_config(pki, hub_dir, [peer("node1", publish=["up"])]))
+    doc = client_config(pki, tmp_path / "node1", "node1", hub_port(hub), publish=["up"]).to_dict()
+    cfg = write_config(tmp_path / "node1.yaml", doc)
+    pub = cli("pub", "--config", cfg, "up", "t.Up", "1")
+    assert pub.returncode == 0, pub.stderr
+    with Messenger(Config.from_dict(doc)):
+        wait_until(lambda: [m.id for m in stored(hub_dir, "up")] == pub.stdout.split(), "forwarded")
 
 
 def test_pub_and_sub_ephemeral_through_a_hub(

@@ -258,15 +258,26 @@ def open_local(config_path: str, hint: str = "", *, existing: bool = False) -> M
     from ..errors import DataDirLockedError
     from ..messenger import Messenger
 
-    config = local_only(load(config_path))
+    full = load(config_path)
+    config = local_only(full)
     if existing:
         check_data_dir(Path(config.storage.data_dir))
     try:
-        return Messenger(config)
+        m = Messenger(config)
     except DataDirLockedError as err:
         pid = lock_holder(config.storage.data_dir)
         held = f" (held by process {pid})" if pid is not None else ""
         raise CommandError(f"{err}{held}" + (f" ({hint})" if hint else "")) from err
+    if full.client.enabled and full.client.hubs:
+        # The client links do not run here, but what is published now must be
+        # forwarded once they do: their cursors start here if they are new.
+        hubs = [dataclasses.asdict(h) for h in full.client.hubs]
+        try:
+            m._engine.create_client_cursors(json.dumps(hubs))
+        except BaseException:
+            m.close()
+            raise
+    return m
 
 
 def lock_holder(data_dir: str) -> int | None:

@@ -1019,6 +1019,21 @@ impl Engine {
         Ok(())
     }
 
+    /// Creates the missing forwarding cursors of client links to `hubs`
+    /// without starting them (see [`crate::federation::client::create_cursors`]):
+    /// for an instance opened without federation whose configuration has them.
+    pub fn create_client_cursors(
+        &self,
+        hubs: &[crate::federation::HubEndpoint],
+    ) -> Result<(), Error> {
+        self.check_open()?;
+        for ep in hubs {
+            crate::federation::client::create_cursors(&self.store, ep)
+                .map_err(Error::Federation)?;
+        }
+        Ok(())
+    }
+
     /// Starts the HTTP gateway of `cfg` (see [`crate::gateway::Gateway::start`]).
     pub fn start_gateway(
         self: &Arc<Self>,

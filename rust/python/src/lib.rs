@@ -787,6 +787,16 @@ impl PyEngine {
         py.detach(|| self.engine.start_federation(cfg)).py_err(py)
     }
 
+    /// Creates the missing forwarding cursors of the client links in
+    /// `hubs_json` (a JSON list of `{"addr", "subscribe", "publish"}`) without
+    /// dialing: records published from now on are forwarded once they run.
+    fn create_client_cursors(&self, py: Python<'_>, hubs_json: &str) -> PyResult<()> {
+        let hubs: Vec<keyop_core::federation::HubEndpoint> = serde_json::from_str(hubs_json)
+            .map_err(|e| new_err(py, Kind::Config, format!("client hubs: {e}")))?;
+        py.detach(|| self.engine.create_client_cursors(&hubs))
+            .py_err(py)
+    }
+
     /// Starts the HTTP gateway from a JSON document with the fields of
     /// `keyop_core::gateway::GatewayConfig`.
     fn start_gateway(&self, py: Python<'_>, settings_json: &str) -> PyResult<()> {

@@ -25,7 +25,7 @@ use super::{HubEndpoint, Shared, HANDSHAKE_TIMEOUT};
 use crate::audit::AuditEvent;
 use crate::envelope::{validate_name, NameKind};
 use crate::storage::offsets::{read_offset, write_offset};
-use crate::storage::LogReader;
+use crate::storage::{LogReader, Store};
 
 /// A client link to one hub.
 pub struct ClientLink {
@@ -43,22 +43,7 @@ impl ClientLink {
         ep: HubEndpoint,
         tls: Arc<super::tls::Reloadable<ClientConfig>>,
     ) -> Result<(ClientLink, tokio::task::JoinHandle<()>), String> {
-        if host_of(&ep.addr).is_none() {
-            return Err(format!("hub address {:?} is not host:port", ep.addr));
-        }
-        for channel in ep.publish.iter().chain(&ep.subscribe) {
-            validate_name(NameKind::Channel, channel).map_err(|e| e.to_string())?;
-        }
-        for channel in &ep.publish {
-            let writer = shared.store.writer(channel).map_err(|e| e.to_string())?;
-            let path = shared.client_cursor(channel, &ep.addr);
-            if read_offset(&path).map_err(|e| e.to_string())?.is_none() {
-                if let Some(dir) = path.parent() {
-                    crate::storage::segment::create_dir_all(dir).map_err(|e| e.to_string())?;
-                }
-                write_offset(&path, writer.committed_end()).map_err(|e| e.to_string())?;
-            }
-        }
+        create_cursors(&shared.store, &ep)?;
         let status = Arc::new(LinkStatus::with_events(shared.events.clone()));
         let task = rt.spawn(dial_loop(shared, ep.clone(), tls, status.clone()));
         Ok((
@@ -85,6 +70,32 @@ impl ClientLink {
     pub fn status(&self) -> &LinkStatus {
         &self.status
     }
+}
+
+/// Creates the forwarding cursors of the link to `ep` that do not exist yet,
+/// at the current end of each of its publish channels: the link forwards
+/// what is published from then on. Run when the link starts, and by an
+/// instance opened without federation that publishes (the command line's
+/// `pub` beside a stopped service), so that those records are forwarded
+/// once the link runs.
+pub fn create_cursors(store: &Store, ep: &HubEndpoint) -> Result<(), String> {
+    if host_of(&ep.addr).is_none() {
+        return Err(format!("hub address {:?} is not host:port", ep.addr));
+    }
+    for channel in ep.publish.iter().chain(&ep.subscribe) {
+        validate_name(NameKind::Channel, channel).map_err(|e| e.to_string())?;
+    }
+    for channel in &ep.publish {
+        let writer = store.writer(channel).map_err(|e| e.to_string())?;
+        let path = super::client_cursor_path(store, channel, &ep.addr);
+        if read_offset(&path).map_err(|e| e.to_string())?.is_none() {
+            if let Some(dir) = path.parent() {
+                crate::storage::segment::create_dir_all(dir).map_err(|e| e.to_string())?;
+            }
+            write_offset(&path, writer.committed_end()).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
 }
 
 /// Host part of `host:port` or `[v6]:port`.

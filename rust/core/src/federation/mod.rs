@@ -276,11 +276,16 @@ pub struct Shared {
 impl Shared {
     /// Where a client keeps its forwarding cursor for `hub_addr` on `channel`.
     pub fn client_cursor(&self, channel: &str, hub_addr: &str) -> PathBuf {
-        crate::storage::offsets::offset_path(
-            &crate::storage::offsets::subscribers_dir(self.store.data_dir(), channel),
-            &client_cursor_id(hub_addr),
-        )
+        client_cursor_path(&self.store, channel, hub_addr)
     }
+}
+
+/// The offset file of the forwarding cursor of `channel` towards `hub_addr`.
+pub fn client_cursor_path(store: &Store, channel: &str, hub_addr: &str) -> PathBuf {
+    crate::storage::offsets::offset_path(
+        &crate::storage::offsets::subscribers_dir(store.data_dir(), channel),
+        &client_cursor_id(hub_addr),
+    )
 }
 
 /// Offset-file id of a client's forwarding cursor towards `hub_addr`
