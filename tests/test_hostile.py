@@ -1,4 +1,4 @@
-# why this file is long: 24 hostile-peer cases against one hub fixture, sharing a raw
+# why this file is long: 25 hostile-peer cases against one hub fixture, sharing a raw
 # TLS/WebSocket peer.
 """Hostile peers and bad input against a hub (issue 7, part 5).
 
@@ -64,7 +64,7 @@ from fed_helpers import (
     wait_peers,
     wait_until,
 )
-from keyop_messenger import Config, ConfigError, KeyopError, Messenger
+from keyop_messenger import AllowedPeer, Config, ConfigError, KeyopError, Messenger
 from keyop_messenger.metrics import render
 from keyop_messenger.stats import HubListenerStats
 
@@ -749,6 +749,29 @@ def test_subscribing_to_new_channels_spends_the_peers_channel_budget(
         assert [rid_of(r) for r in split_batch(raw.recv_binary())] == [sent]
     (connected,) = audit_events(hub_dir, "client_connected", peer="node1")
     assert "sub=[old,new0,new1,new2]" in connected["detail"]
+
+
+def test_a_reloaded_max_channels_applies_to_a_peer_that_connected_before(
+    pki: PKI, tmp_path: Path, start: Starter
+) -> None:
+    """The budget of a peer is kept across its connections; a reload that
+    changes its ``max_channels`` changes the budget's limit (it was fixed by
+    the first connection)."""
+    hub_dir = tmp_path / "hub"
+    hub = start(hub_config(pki, hub_dir, [{**peer("node1"), "max_channels": 0}]))
+
+    def send(channel: str) -> list[str]:
+        with RawPeer(hub_port(hub), pki["node1"], pki.ca) as raw:
+            raw.handshake("node1", features=["refusals"])
+            raw.send_binary(batch(envelope(channel, "node1", {})))
+            return [r["reason"] for r in json.loads(raw.recv_text()).get("refused", [])]
+
+    assert send("a") == ["channel_limit"]
+    hub.set_allowed_peers([AllowedPeer(name="node1", max_channels=5)])
+    assert send("a") == [], "the raised limit applies"
+    hub.set_allowed_peers([AllowedPeer(name="node1", max_channels=1)])
+    assert send("b") == ["channel_limit"], "the lowered limit applies (a counts)"
+    assert sorted(p.name for p in (hub_dir / "channels").iterdir()) == ["a"]
 
 
 def test_a_batch_of_many_chunks_is_checked_as_a_whole(hub: Hub, pki: PKI) -> None:

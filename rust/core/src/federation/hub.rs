@@ -542,6 +542,9 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         .entry(peer.clone())
         .or_insert_with(|| Arc::new(super::ChannelBudget::new(entry.max_channels)))
         .clone();
+    // The entry in force now: a reload may have changed it since the budget
+    // was made (and disconnected the peer, which is why it is here again).
+    budget.set_limit(entry.max_channels);
     let subscription = within_budget(&shared, &peer, subscription, &budget);
     let out = match open_channels(&shared, &peer, &subscription, hello.ephemeral).await {
         Ok(out) => out,

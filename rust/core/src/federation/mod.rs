@@ -87,7 +87,7 @@ impl Default for AllowedPeer {
 /// The channels one peer has created on a hub, shared by its connections.
 #[derive(Debug)]
 pub struct ChannelBudget {
-    limit: usize,
+    limit: std::sync::atomic::AtomicUsize,
     created: Mutex<std::collections::HashSet<String>>,
 }
 
@@ -95,9 +95,17 @@ impl ChannelBudget {
     /// A budget of `limit` new channels.
     pub fn new(limit: usize) -> ChannelBudget {
         ChannelBudget {
-            limit,
+            limit: std::sync::atomic::AtomicUsize::new(limit),
             created: Mutex::new(std::collections::HashSet::new()),
         }
+    }
+
+    /// Sets how many new channels the peer may create in all (its entry's
+    /// `max_channels`, which a configuration reload may change); the
+    /// channels created so far still count.
+    pub fn set_limit(&self, limit: usize) {
+        self.limit
+            .store(limit, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the peer may create `channel` now; a yes is counted.
@@ -106,7 +114,7 @@ impl ChannelBudget {
         if created.contains(channel) {
             return true;
         }
-        if created.len() >= self.limit {
+        if created.len() >= self.limit.load(std::sync::atomic::Ordering::Relaxed) {
             return false;
         }
         created.insert(channel.to_owned());
