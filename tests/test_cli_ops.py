@@ -22,7 +22,17 @@ import pytest
 import yaml
 
 import fed_helpers
-from fed_helpers import PKI, Starter, client_config, hub_config, hub_port, peer, stored, wait_until
+from fed_helpers import (
+    PKI,
+    Starter,
+    client_config,
+    hub_config,
+    hub_port,
+    hub_status,
+    peer,
+    stored,
+    wait_until,
+)
 from keyop_messenger import Config, Message, Messenger, read_channel
 
 pki = fed_helpers.pki
@@ -368,6 +378,14 @@ def test_pub_and_sub_ephemeral_through_a_hub(
     err = refused.stderr.splitlines()[-1]  # after the link's own WARNING
     assert err.startswith("Error: hub ") and "Traceback" not in refused.stderr, refused.stderr
     assert "will not deliver channel 'secret' to 'node1'" in err, err
+    # The hub going away ends a live subscription with an error, not a wait.
+    proc = popen("sub", "--config", cfg, "--ephemeral", "news")
+    kill_at_end.append(proc)
+    wait_until(lambda: hub_status(hub)["peers"] == ["node1"], "the subscriber connected")
+    hub.close()
+    assert proc.wait(timeout=WAIT_S) == 1
+    assert proc.stderr is not None
+    assert "the connection to hub 127.0.0.1:" in proc.stderr.read()
 
 
 # ---------------------------------------------------------------------------

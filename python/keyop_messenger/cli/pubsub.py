@@ -228,7 +228,7 @@ def _cmd_sub(args: argparse.Namespace) -> int:
     out = Out()
     lock = threading.Lock()
     done = threading.Event()
-    state = {"count": 0, "pipe_closed": False}
+    state: dict[str, Any] = {"count": 0, "pipe_closed": False, "lost": ""}
     limit: int | None = args.count
 
     refuse = not args.ephemeral  # durable delivery: leave the rest unacknowledged
@@ -260,7 +260,15 @@ def _cmd_sub(args: argparse.Namespace) -> int:
         if args.ephemeral:
             from ..ephemeral import EphemeralMessenger
 
-            with EphemeralMessenger(ephemeral_config(config, [args.channel])) as eph:
+            def lost(hub: str, reason: str) -> None:
+                # Live messages only and no reconnecting: a lost link ends the
+                # command (with an error) rather than leaving it waiting.
+                with lock:
+                    state["lost"] = f"the connection to hub {hub} was lost: {reason}"
+                done.set()
+
+            eph_config = ephemeral_config(config, [args.channel])
+            with EphemeralMessenger(eph_config, on_disconnect=lost) as eph:
                 eph.subscribe(args.channel, handler)
                 _wait(done, args.timeout)
         else:
@@ -284,6 +292,8 @@ def _cmd_sub(args: argparse.Namespace) -> int:
         log.removeFilter(silence)
     if state["pipe_closed"]:
         raise PipeClosed()
+    if state["lost"]:
+        raise CommandError(f"{state['lost']} (after {state['count']} messages)")
     if limit is not None and state["count"] < limit:
         raise CommandError(
             f"timed out after {args.timeout:g} s: received {state['count']} of {limit} messages"
