@@ -91,6 +91,8 @@ def sample_stats() -> Stats:
                     unacked_bytes=512,
                     rtt_p50_us=1000.0,
                     rtt_p99_us=5000.0,
+                    refused={"temps": 2},
+                    refused_channels=["secret"],
                 )
             ],
             listener=HubListenerStats(
@@ -158,6 +160,11 @@ def test_render_families_types_and_values() -> None:
     assert value(
         samples, "keyop_federation_link_rtt_seconds", hub="hub1:7443", quantile="0.99"
     ) == (5000e-6)
+    assert value(samples, "keyop_federation_refused_total", hub="hub1:7443", channel="temps") == 2
+    assert (
+        value(samples, "keyop_federation_link_refused_channel", hub="hub1:7443", channel="secret")
+        == 1
+    )
     assert value(samples, "keyop_hub_peers") == 2
     assert value(samples, "keyop_hub_peer_connected", peer='we"ird\\peer\nname') == 1
     assert value(samples, "keyop_hub_records_received_total") == 17

@@ -173,6 +173,8 @@ def test_client_learns_a_refused_channel_at_connect_and_forwards_it_once_allowed
     warnings = [r for r in caplog.records if "refuses channel \"debug\"" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert client.stats().federation.links[0].refused_channels == ["debug"]
+    sample = f'keyop_federation_link_refused_channel{{hub="127.0.0.1:{port}",channel="debug"}} 1'
+    assert sample in render(client.stats()).splitlines()
 
     start_debug = hub_cursor(node_dir, "debug", port)
     debug_id = client.publish("debug", "test.Debug", {"x": 1})

@@ -226,6 +226,18 @@ def _link_families(out: _Writer, links: list[HubLinkStats]) -> None:
         ],
     )
     out.family(
+        "keyop_federation_link_refused_channel",
+        "gauge",
+        "1 for each channel this instance forwards that the hub's handshake refuses: its "
+        "records are not sent and stay in this instance's channel files until the hub "
+        "allows it.",
+        [
+            ((("hub", link.addr), ("channel", channel)), 1)
+            for link in links
+            for channel in sorted(set(link.refused_channels))
+        ],
+    )
+    out.family(
         "keyop_federation_link_rtt_seconds",
         "gauge",
         "Round trip from sending a batch to the hub to its acknowledgement (quantiles).",

@@ -30,6 +30,7 @@ name                                                            type     labels
 ``keyop_federation_link_unacked_bytes``                         gauge    hub
 ``keyop_federation_link_rtt_seconds``                           gauge    hub, quantile
 ``keyop_federation_refused_total``                              counter  hub, channel
+``keyop_federation_link_refused_channel``                       gauge    hub, channel
 ``keyop_hub_peers``                                             gauge
 ``keyop_hub_peer_connected``                                    gauge    peer
 ``keyop_hub_records_received_total``                            counter
