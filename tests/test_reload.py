@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import fed_helpers
-from fed_helpers import PKI, Starter, client_config, peer, stored_ids
+from fed_helpers import PKI, Starter, audit_events, client_config, peer, stored_ids
 from keyop_messenger import Config, FederationError, Messenger
 from run_helpers import WAIT_S, hub_doc, poll, running, write_config
 
@@ -41,6 +41,9 @@ def test_sighup_reloads_allowed_peers(tmp_path: Path, pki: PKI, start: Starter) 
         hub.wait_line(r"allowed_peers reloaded \(1 peers\); disconnected: node1$")
         hub.wait_line(r"SIGHUP: hub\.listen_addr changed: restart to apply")
         poll(lambda: early in stored_ids(hub_dir, "temps"), "node2's record once allowed")
+        # The reload is audited (an event 1.4 defines and never writes).
+        (reloaded,) = audit_events(hub_dir, "policy_reloaded")
+        assert reloaded["detail"] == "peers=1 disconnected=[node1]", reloaded
         late = node1.publish("temps", "t", 3)
         hub.wait_line(r"rejected peer \"node1\"")
         assert late not in stored_ids(hub_dir, "temps")

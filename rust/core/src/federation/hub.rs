@@ -106,6 +106,8 @@ type EphemeralConns = HashMap<String, HashMap<u64, CancellationToken>>;
 /// A running hub listener.
 pub struct Hub {
     addr: SocketAddr,
+    /// The instance's shared state (its audit log, for reloads).
+    shared: Arc<Shared>,
     counters: Arc<HubCounters>,
     peers: Arc<Mutex<HashMap<String, (u64, CancellationToken)>>>,
     ephemeral: Arc<Mutex<EphemeralConns>>,
@@ -171,6 +173,7 @@ impl Hub {
         Ok((
             Hub {
                 addr,
+                shared,
                 counters,
                 peers,
                 ephemeral,
@@ -233,6 +236,9 @@ impl Hub {
             "hub: allowed_peers reloaded ({} peers); disconnected {dropped:?}",
             new.len()
         );
+        // An event 1.4 defines and never writes (it cannot reload).
+        let detail = format!("peers={} disconnected={}", new.len(), list_text(&dropped));
+        audit(&self.shared, "policy_reloaded", "", "", detail);
         dropped
     }
 
