@@ -920,8 +920,8 @@ impl PyEngine {
                     c.inbound.stored.load(Relaxed),
                     c.accepted.load(Relaxed),
                     c.rejected.load(Relaxed),
-                    c.inbound.refused(),
-                    c.failed(),
+                    c.inbound.refused.snapshot(),
+                    c.failed.snapshot(),
                 )
             });
             (links, listener)

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::conns::{self, ConnGuard, ConnTable, Limits};
 use super::link::{self, Inbound, OutChannel};
-use super::status::InboundCounts;
+use super::status::{InboundCounts, Label, Tally};
 use super::wire::{Handshake, CLOSE_NOT_ALLOWED, CLOSE_NOT_ALLOWED_REASON, FEATURE_REFUSALS};
 use super::{tls, AllowedPeer, FedError, HubSettings, Shared, HANDSHAKE_TIMEOUT};
 use crate::audit::AuditEvent;
@@ -39,26 +39,10 @@ pub struct HubCounters {
     pub accepted: AtomicU64,
     /// Connections whose certificate's name is not in `allowed_peers`.
     pub rejected: AtomicU64,
-    /// Connections that ended before their handshake completed, by stage
-    /// ([`OpeningFailure::ALL`]'s order).
-    failed: [AtomicU64; OpeningFailure::ALL.len()],
+    /// Connections that ended before their handshake completed, by stage.
+    pub failed: Tally<OpeningFailure>,
     /// Records stored from peers and refused.
     pub inbound: Arc<InboundCounts>,
-}
-
-impl HubCounters {
-    fn fail(&self, stage: OpeningFailure) {
-        self.failed[stage as usize].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Connections that ended before their handshake completed, per stage
-    /// (every stage, zeros included).
-    pub fn failed(&self) -> Vec<(&'static str, u64)> {
-        OpeningFailure::ALL
-            .iter()
-            .map(|&f| (f.as_str(), self.failed[f as usize].load(Ordering::Relaxed)))
-            .collect()
-    }
 }
 
 /// Where a connection that never became a link ended.
@@ -77,9 +61,8 @@ pub enum OpeningFailure {
     Evicted,
 }
 
-impl OpeningFailure {
-    /// Every stage, in the order [`HubCounters`] keeps them.
-    pub const ALL: [OpeningFailure; 5] = [
+impl Label for OpeningFailure {
+    const ALL: &'static [OpeningFailure] = &[
         OpeningFailure::Tls,
         OpeningFailure::Websocket,
         OpeningFailure::Handshake,
@@ -87,8 +70,8 @@ impl OpeningFailure {
         OpeningFailure::Evicted,
     ];
 
-    /// The metric label: `tls`, `websocket`, `handshake`, `timeout`, `evicted`.
-    pub fn as_str(self) -> &'static str {
+    /// `tls`, `websocket`, `handshake`, `timeout`, `evicted`.
+    fn label(self) -> &'static str {
         match self {
             OpeningFailure::Tls => "tls",
             OpeningFailure::Websocket => "websocket",
@@ -483,7 +466,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         _ = guard.cancel.cancelled() => {
             // Evicted for newer connections, or the hub is closing.
             if !shared.cancel.is_cancelled() {
-                state.counters.fail(OpeningFailure::Evicted);
+                state.counters.failed.add(OpeningFailure::Evicted);
             }
             log::debug!("hub: connection from {remote} dropped before its handshake ended");
             return;
@@ -493,12 +476,12 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
     let (mut ws, peer, hello) = match opened {
         Ok(Ok(v)) => v,
         Ok(Err((stage, e))) => {
-            state.counters.fail(stage);
+            state.counters.failed.add(stage);
             log::info!("hub: connection from {remote} failed: {e}");
             return;
         }
         Err(_) => {
-            state.counters.fail(OpeningFailure::Timeout);
+            state.counters.failed.add(OpeningFailure::Timeout);
             log::info!("hub: connection from {remote} timed out before the handshake");
             return;
         }

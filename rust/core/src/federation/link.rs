@@ -296,7 +296,7 @@ fn refuse_listed(
     why: &str,
 ) {
     if let Some(counts) = &inbound.counts {
-        counts.refuse(RefusalReason::parse(&refused.reason));
+        counts.refused.add(RefusalReason::parse(&refused.reason));
     }
     if refused.id.is_empty() {
         *nameless += 1;

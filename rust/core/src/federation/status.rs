@@ -19,15 +19,20 @@ pub enum RefusalReason {
     ChannelLimit,
 }
 
-impl RefusalReason {
-    /// Every reason, in the order [`InboundCounts`] keeps them.
-    pub const ALL: [RefusalReason; 4] = [
+impl Label for RefusalReason {
+    const ALL: &'static [RefusalReason] = &[
         RefusalReason::Policy,
         RefusalReason::TooLarge,
         RefusalReason::Invalid,
         RefusalReason::ChannelLimit,
     ];
 
+    fn label(self) -> &'static str {
+        self.as_str()
+    }
+}
+
+impl RefusalReason {
     /// The wire form: `policy`, `too_large`, `invalid`, `channel_limit`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -59,29 +64,57 @@ impl RefusalReason {
     }
 }
 
+/// The values a metric is broken down by (a reason, a stage), with their
+/// labels.
+pub trait Label: Copy + PartialEq + std::fmt::Debug + 'static {
+    /// Every value, in the order a [`Tally`] lists them.
+    const ALL: &'static [Self];
+    /// The metric label of this value.
+    fn label(self) -> &'static str;
+}
+
+/// One counter per value of `L`.
+#[derive(Debug)]
+pub struct Tally<L: Label> {
+    counts: Box<[AtomicU64]>,
+    _label: std::marker::PhantomData<L>,
+}
+
+impl<L: Label> Default for Tally<L> {
+    fn default() -> Self {
+        Tally {
+            counts: L::ALL.iter().map(|_| AtomicU64::new(0)).collect(),
+            _label: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<L: Label> Tally<L> {
+    /// Counts one for `value`.
+    pub fn add(&self, value: L) {
+        if let Some(i) = L::ALL.iter().position(|&v| v == value) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Every value's label and count so far, zeros included.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        L::ALL
+            .iter()
+            .zip(self.counts.iter())
+            .map(|(v, c)| (v.label(), c.load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
 /// What a hub's receivers count of the records its peers send (the
 /// listener's metrics), shared by every connection it serves.
 #[derive(Debug, Default)]
 pub struct InboundCounts {
     /// Records stored.
     pub stored: AtomicU64,
-    /// Records refused, by reason ([`RefusalReason::ALL`]'s order).
-    refused: [AtomicU64; RefusalReason::ALL.len()],
-}
-
-impl InboundCounts {
-    /// Counts one refused record.
-    pub fn refuse(&self, reason: RefusalReason) {
-        self.refused[reason as usize].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Records refused so far, per reason (every reason, zeros included).
-    pub fn refused(&self) -> Vec<(&'static str, u64)> {
-        RefusalReason::ALL
-            .iter()
-            .map(|&r| (r.as_str(), self.refused[r as usize].load(Ordering::Relaxed)))
-            .collect()
-    }
+    /// Records refused, by reason.
+    pub refused: Tally<RefusalReason>,
 }
 
 /// A change of a client link the application may want to hear about.
