@@ -140,12 +140,15 @@ class PayloadRegistry:
         entry = self._entries.get(name)
         return entry.cls if entry else None
 
-    def check(self, name: str, payload: Any) -> None:
+    def check(self, name: str, payload: Any, encoded: bytes | None = None) -> None:
         """Raises :class:`PayloadTypeError` if ``payload`` does not match the
         type registered for ``name``: not an instance of it, or fields that
         would not decode into it (checked on the payload's JSON form, as a
         subscriber will decode it, so nothing is stored that its readers
-        would dead-letter). Unregistered names accept any payload."""
+        would dead-letter). Unregistered names accept any payload.
+
+        ``encoded``: the payload's JSON as the engine encoded it, when the
+        caller has it (``publish`` does); otherwise it is encoded here."""
         entry = self._entries.get(name)
         if entry is None:
             return
@@ -157,7 +160,9 @@ class PayloadRegistry:
         if entry.decode is _require_mapping:
             return  # a registered dict is delivered as it is
         try:
-            data = json.loads(json.dumps(payload, default=to_plain, allow_nan=False))
+            if encoded is None:
+                encoded = json.dumps(payload, default=to_plain, allow_nan=False).encode()
+            data = json.loads(encoded)
         except (ValueError, TypeError, RecursionError):
             return  # not JSON at all: the engine refuses it with its own reason
         try:

@@ -27,7 +27,7 @@ use keyop_core::{
 use pyo3::exceptions::{PyRuntimeError, PyUnicodeEncodeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 
 use errors::{new_err, IntoPyResult, Kind};
 use json::PyDecoder;
@@ -174,8 +174,9 @@ struct PublishPath {
     engine: Arc<Engine>,
     /// The payload registry's dict of registered types.
     registry: Py<PyDict>,
-    /// `check(payload_type, payload)`: raises if a registered type's payload
-    /// does not match it.
+    /// `check(payload_type, payload, encoded)`: raises if a registered type's
+    /// payload does not match it; `encoded` is the payload's JSON as the
+    /// engine will store it (`None` when encoding failed).
     check: Py<PyAny>,
     /// `get` of the `ContextVar` holding `(service_name, correlation_id)`.
     context_get: Py<PyAny>,
@@ -244,6 +245,9 @@ impl MessengerBase {
     /// committer thread and waited for in slices, so Ctrl-C is honoured even
     /// while an fdatasync takes long; other threads commit inline (group
     /// commit, no hand-off).
+    ///
+    /// A payload of a registered type is checked on the JSON encoded here,
+    /// the form its subscribers will decode.
     fn send<'py>(
         py: Python<'py>,
         path: &PublishPath,
@@ -253,7 +257,23 @@ impl MessengerBase {
     ) -> PyResult<Sent<'py>> {
         let [channel, payload_type, service_name, correlation_id] = texts;
         let channel = channel.cast::<PyString>()?.to_str()?;
-        let json = encode_payload(payload, Some(path.default.bind(py)))?;
+        let registry = path.registry.bind(py);
+        let registered = !registry.is_empty() && registry.contains(payload_type)?;
+        let json = match encode_payload(payload, Some(path.default.bind(py))) {
+            Ok(json) => json,
+            Err(e) => {
+                if registered {
+                    // A payload of the wrong class is named as such, not by
+                    // what could not be encoded in it.
+                    path.check.call1(py, (payload_type, payload, py.None()))?;
+                }
+                return Err(e);
+            }
+        };
+        if registered {
+            let encoded = PyBytes::new(py, &json);
+            path.check.call1(py, (payload_type, payload, encoded))?;
+        }
         let msg = Outgoing {
             payload_type: payload_type.cast::<PyString>()?.to_str()?,
             payload_json: &json,
@@ -289,7 +309,7 @@ impl MessengerBase {
         Ok(Sent::Id(PyString::new(py, &published.id).into_any()))
     }
 
-    /// `publish`'s body: the registry check, the context, then [`Self::send`].
+    /// `publish`'s body: the context, then [`Self::send`].
     fn publish_as<'py>(
         &self,
         py: Python<'py>,
@@ -310,10 +330,6 @@ impl MessengerBase {
                 "this messenger was not set up (Messenger.__init__ did not finish)".into(),
             ));
         };
-        let registry = path.registry.bind(py);
-        if !registry.is_empty() && registry.contains(payload_type)? {
-            path.check.call1(py, (payload_type, payload))?;
-        }
         // None (or left out) means: from the enclosing context() block.
         let given = |t: Option<&Bound<'py, PyAny>>| t.filter(|t| !t.is_none()).cloned();
         let (mut service_name, mut correlation_id) = (given(service_name), given(correlation_id));
