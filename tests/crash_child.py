@@ -88,7 +88,7 @@ def main(data_dir: str, mode: str, deliveries_dir: str | None) -> None:
             "storage": {
                 "data_dir": data_dir,
                 "sync_interval_ms": 0,
-                "compaction_threshold_mb": 1,
+                "segment_size_mb": 1,
                 "offset_flush_interval_ms": 0,
             },
         }

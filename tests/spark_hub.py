@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", action="append", default=[], help="allowed peer name")
     ap.add_argument("--channel", action="append", default=[], help="channel to record")
     ap.add_argument("--out", required=True, help="JSON-lines file of received messages")
-    ap.add_argument("--segment-mb", type=int, default=256, help="compaction_threshold_mb")
+    ap.add_argument("--segment-mb", type=int, default=256, help="segment_size_mb")
     ap.add_argument("--name", default="hub1")
     ap.add_argument(
         "--hold",
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     config = Config.from_dict(
         {
             "name": args.name,
-            "storage": {"data_dir": args.data_dir, "compaction_threshold_mb": args.segment_mb},
+            "storage": {"data_dir": args.data_dir, "segment_size_mb": args.segment_mb},
             "hub": {
                 "enabled": True,
                 "listen_addr": "127.0.0.1:0",

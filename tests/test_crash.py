@@ -152,7 +152,7 @@ def check_segment_files(channel_dir: Path, ids_on_disk: set[str], first: int = 0
 
 def crash_and_recover(tmp_path: Path, mode: str, seed: str) -> None:
     wanted = random.Random(seed).randint(50, 400)
-    config = make_config(tmp_path, compaction_threshold_mb=1)
+    config = make_config(tmp_path, segment_size_mb=1)
     data_dir = Path(config.storage.data_dir)
     acked = publish_and_kill(tmp_path, data_dir, mode, wanted)
 
@@ -201,7 +201,7 @@ class Resumed:
 def crash_subscribed_and_recover(tmp_path: Path, kind: str, seed: str) -> None:
     point, (low, high) = STOP_POINTS[kind]
     stop_at = f"{point}:{random.Random(seed).randint(low, high)}"
-    config = make_config(tmp_path, compaction_threshold_mb=1, offset_flush_interval_ms=0)
+    config = make_config(tmp_path, segment_size_mb=1, offset_flush_interval_ms=0)
     data_dir = Path(config.storage.data_dir)
     channel_dir = data_dir / "channels" / CHANNEL
     sub_dir = data_dir / "subscribers" / CHANNEL

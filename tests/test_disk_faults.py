@@ -166,7 +166,7 @@ def test_faults_under_concurrent_publishers(tmp_path: Path) -> None:
     either returns (acknowledged) or raises StorageError; afterwards, and
     after a reopen, the channel holds exactly the acknowledged records, whole
     and in each thread's order."""
-    cfg = make_config(tmp_path, compaction_threshold_mb=1)
+    cfg = make_config(tmp_path, segment_size_mb=1)
     threads_n, rounds = 8, 40
     acked: list[list[str]] = [[] for _ in range(threads_n)]
     failed = [0] * threads_n

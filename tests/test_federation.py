@@ -192,7 +192,7 @@ def test_forwarding_past_deleted_segments_is_audited_as_a_replay_gap(
     node_dir, hub_dir = tmp_path / "node1", tmp_path / "hub"
     cfg = client_config(pki, node_dir, "node1", port, publish=["temps"])
     cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage,
-                                                               compaction_threshold_mb=1))
+                                                               segment_size_mb=1))
     client = start(cfg)
     pad = "x" * 300_000
     ids = [client.publish("temps", "test.Big", {"n": i, "pad": pad}) for i in range(8)]

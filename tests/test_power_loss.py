@@ -33,7 +33,7 @@ def open_messenger(data_dir: Path, sync_interval_ms: int) -> Messenger:
                 "storage": {
                     "data_dir": str(data_dir),
                     "sync_interval_ms": sync_interval_ms,
-                    "compaction_threshold_mb": 1,
+                    "segment_size_mb": 1,
                 },
             }
         )

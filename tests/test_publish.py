@@ -714,7 +714,7 @@ def test_failed_fsync_is_not_committed(messenger: Messenger) -> None:
 
 def test_failed_roll_is_not_committed_and_later_publishes_work(tmp_path: Path) -> None:
     blob = "r" * 200_000
-    with Messenger(make_config(tmp_path, compaction_threshold_mb=1)) as m:
+    with Messenger(make_config(tmp_path, segment_size_mb=1)) as m:
         ok = [m.publish("rolling", "t", {"n": n, "blob": blob}) for n in range(5)]
         first_size = m.stream_end("rolling")
         assert first_size + len(blob) > MIB  # the next record needs a new segment
@@ -859,7 +859,7 @@ def test_held_data_dir_raises_data_dir_locked_error(tmp_path: Path, config: Conf
 @pytest.mark.arm
 def test_segments_roll_at_the_threshold(tmp_path: Path) -> None:
     blob = "s" * 10_000
-    with Messenger(make_config(tmp_path, compaction_threshold_mb=1)) as m:
+    with Messenger(make_config(tmp_path, segment_size_mb=1)) as m:
         ids = [m.publish("rolled", "t", {"n": n, "blob": blob}) for n in range(256)]
         entries = list(m.read_channel("rolled"))
         segments = segment_files(channel_dir(m, "rolled"))

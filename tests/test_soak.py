@@ -33,7 +33,7 @@ def rss_kb() -> int:
 def soak(pki: PKI, tmp_path: Path, start: Starter, seconds: float) -> None:
     hub = start(hub_config(pki, tmp_path / "hub", [peer("node1", publish=["soak"])]))
     cfg = client_config(pki, tmp_path / "node", "node1", hub_port(hub), publish=["soak"])
-    cfg.storage = replace(cfg.storage, compaction_threshold_mb=1, sync_interval_ms=20)
+    cfg.storage = replace(cfg.storage, segment_size_mb=1, sync_interval_ms=20)
     node = start(cfg)
 
     # Each publisher's messages arrive in its own order everywhere, so

@@ -257,7 +257,7 @@ def local_messenger(data_dir: Path, name: str = "local", segment_mb: int = 256) 
         km.Config.from_dict(
             {
                 "name": name,
-                "storage": {"data_dir": str(data_dir), "compaction_threshold_mb": segment_mb},
+                "storage": {"data_dir": str(data_dir), "segment_size_mb": segment_mb},
             }
         )
     )
@@ -359,7 +359,7 @@ def test_batch_read_returns_what_was_published(
 ) -> None:
     data_dir = str(hub.data_dir)
     segments = ks.list_segments(data_dir, "rows")
-    assert len(segments) >= 2, "the hub should have rolled segments (compaction_threshold_mb=1)"
+    assert len(segments) >= 2, "the hub should have rolled segments (segment_size_mb=1)"
     df = spark.read.format("keyop").option("data_dir", data_dir).option("channel", "rows").load()
     assert df.dtypes == ENVELOPE_TYPES
     planned = ks.plan_partitions(data_dir, "rows", 0, ks.stream_end(data_dir, "rows"))

@@ -75,7 +75,7 @@ def two_segments(data_dir: Path, channel: str = "c", n: int = 600) -> list[int]:
     segment starts."""
     m = km.Messenger(
         km.Config.from_dict(
-            {"name": "edges", "storage": {"data_dir": str(data_dir), "compaction_threshold_mb": 1}}
+            {"name": "edges", "storage": {"data_dir": str(data_dir), "segment_size_mb": 1}}
         )
     )
     try:

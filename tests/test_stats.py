@@ -181,7 +181,7 @@ def test_disk_bytes_after_segment_rolls_and_compaction(tmp_path: Path, start: St
         Config.from_dict(
             {
                 "name": "stats-node",
-                "storage": {"data_dir": str(data_dir), "compaction_threshold_mb": 1},
+                "storage": {"data_dir": str(data_dir), "segment_size_mb": 1},
             }
         )
     )

@@ -989,7 +989,7 @@ def _publish_bytes(m: Messenger, channel: str, nbytes: int, start: int) -> list[
 def test_compaction_respects_offsets_of_unsubscribed_ids(
     open_messenger: Callable[..., Messenger],
 ) -> None:
-    m = open_messenger(compaction_threshold_mb=1)
+    m = open_messenger(segment_size_mb=1)
     ch = "bulk"
     fast = Recorder()
     fast_sub = m.subscribe(ch, "fast", fast)
@@ -1043,7 +1043,7 @@ def test_compaction_with_no_offsets_keeps_every_segment(
 ) -> None:
     # keyop-messenger 1.4 deleted every sealed segment of a channel nobody
     # subscribed to; here unread data goes only by a retention limit.
-    m = open_messenger(compaction_threshold_mb=1)
+    m = open_messenger(segment_size_mb=1)
     ids = _publish_bytes(m, "ch", 2 * MIB + MIB // 2, 0)
     before = segments(m, "ch")
     assert len(before) >= 3
@@ -1055,7 +1055,7 @@ def test_compaction_with_no_offsets_keeps_every_segment(
 def test_compaction_covers_channels_not_touched_since_open(
     open_messenger: Callable[..., Messenger],
 ) -> None:
-    first = open_messenger(compaction_threshold_mb=1)
+    first = open_messenger(segment_size_mb=1)
     ids = _publish_bytes(first, "old", 2 * MIB + MIB // 2, 0)
     before = segments(first, "old")
     assert len(before) >= 3
@@ -1065,7 +1065,7 @@ def test_compaction_covers_channels_not_touched_since_open(
     (cursors / "done.offset").write_text(f"{first.stream_end('old')}\n")
     first.close()
 
-    m = open_messenger(compaction_threshold_mb=1)  # nothing publishes to or reads "old"
+    m = open_messenger(segment_size_mb=1)  # nothing publishes to or reads "old"
     report = m.compact()
     assert segments(m, "old") == [before[-1]], (
         "a channel on disk is compacted even if this process never touched it"
