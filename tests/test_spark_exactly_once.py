@@ -132,7 +132,10 @@ def failing_frame(
     from pyspark.sql.functions import udf
 
     df = spark.range(0, ROWS, 1, 2).selectExpr("id AS n", "spark_partition_id() AS part")
-    return df.withColumn("pad", udf(FailOnce(committed, always), "string")("n"))
+    # useArrow=False: a plain row-at-a-time UDF, said so (pyspark cannot infer it
+    # from a callable object's hints and warns).
+    fail = udf(FailOnce(committed, always), "string", useArrow=False)
+    return df.withColumn("pad", fail("n"))
 
 
 def check_ids(ids: list[str], job_rows: dict[int, int]) -> None:
