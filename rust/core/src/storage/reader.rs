@@ -112,6 +112,12 @@ pub struct LogReader {
     /// Emptied line buffers given back ([`LogReader::recycle`]), filled
     /// again by the next reads instead of allocating one per line.
     spare: Vec<Vec<u8>>,
+    /// The segment starts as last listed (empty: not listed yet). Serves
+    /// for every segment before the last one listed, so catching up over n
+    /// segments lists the directory a few times, not n times (a listing
+    /// costs O(n)); reaching the last one, or a segment found deleted,
+    /// lists again.
+    segs: Vec<u64>,
 }
 
 /// Most line buffers a reader keeps for reuse: a subscriber's batch.
@@ -143,6 +149,7 @@ impl LogReader {
             open: None,
             owner,
             spare: Vec::new(),
+            segs: Vec::new(),
         }
     }
 
@@ -182,7 +189,11 @@ impl LogReader {
                 return Ok(None);
             }
             if self.open.is_none() {
-                let segs = segment::list_segments(&self.dir)?;
+                // Segments newer than the last listed may exist by now.
+                if self.segs.last().is_none_or(|&last| self.pos >= last) {
+                    self.segs = segment::list_segments(&self.dir)?;
+                }
+                let segs = &self.segs;
                 let Some(&first) = segs.first() else {
                     return Ok(None);
                 };
@@ -199,8 +210,11 @@ impl LogReader {
                 let path = segment::segment_path(&self.dir, start);
                 let file = match PooledFile::open(&path, false, self.owner) {
                     Ok(f) => f,
-                    // Deleted between listing and opening: list again.
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    // Deleted since it was listed: list again.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        self.segs.clear();
+                        continue;
+                    }
                     Err(e) => return Err(e),
                 };
                 self.open = Some(Open {
@@ -216,6 +230,7 @@ impl LogReader {
                 // Closed by the pool and deleted since: list again.
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     self.open = None;
+                    self.segs.clear();
                     continue;
                 }
                 Err(e) => {
@@ -262,9 +277,13 @@ impl LogReader {
                     self.recycle(buf);
                     // Re-open next time so the unread tail is read afresh.
                     self.open = None;
-                    let segs = segment::list_segments(&self.dir)?;
-                    match segs.iter().find(|&&s| s > start) {
-                        Some(&next) => {
+                    let mut next = self.segs.iter().copied().find(|&s| s > start);
+                    if next.is_none() {
+                        self.segs = segment::list_segments(&self.dir)?;
+                        next = self.segs.iter().copied().find(|&s| s > start);
+                    }
+                    match next {
+                        Some(next) => {
                             // A sealed segment is done; a torn fragment left in it is skipped.
                             let seg_len =
                                 std::fs::metadata(segment::segment_path(&self.dir, start))
@@ -333,6 +352,72 @@ fn read_line(r: &mut impl BufRead, line: &mut Vec<u8>) -> io::Result<Line> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `n` one-line segments `seg<i>` of `dir`, each right after the last.
+    fn one_line_segments(dir: &Path, n: u64) -> Vec<u64> {
+        let mut starts = Vec::new();
+        let mut at = 0;
+        for i in 0..n {
+            let line = format!("seg{i:04}\n");
+            std::fs::write(segment::segment_path(dir, at), &line).expect("write segment");
+            starts.push(at);
+            at += line.len() as u64;
+        }
+        starts
+    }
+
+    /// Catching up over many segments lists the directory a few times, not
+    /// once per segment (each listing costs as much as there are segments).
+    #[test]
+    fn reading_many_segments_lists_the_directory_a_few_times() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        one_line_segments(dir.path(), 300);
+        let before = segment::LISTINGS.with(|n| n.get());
+        let mut reader = LogReader::new(dir.path(), 0);
+        let mut read = 0;
+        while let Some(item) = reader.next_item(u64::MAX).expect("read") {
+            assert!(matches!(item, Item::Record { .. }), "{item:?}");
+            read += 1;
+        }
+        assert_eq!(read, 300);
+        let listings = segment::LISTINGS.with(|n| n.get()) - before;
+        assert!(listings <= 4, "{listings} listings for 300 segments");
+    }
+
+    /// Segments deleted after the reader listed them are a gap, and the
+    /// segments written after it listed are read.
+    #[test]
+    fn segments_deleted_or_added_since_the_listing_are_seen() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let starts = one_line_segments(dir.path(), 10);
+        let mut reader = LogReader::new(dir.path(), 0);
+        let first = reader.next_item(u64::MAX).expect("read");
+        assert!(matches!(first, Some(Item::Record { offset: 0, .. })));
+        for &s in &starts[1..5] {
+            std::fs::remove_file(segment::segment_path(dir.path(), s)).expect("delete");
+        }
+        let end = 10 * 8;
+        std::fs::write(segment::segment_path(dir.path(), end), "seg0010\n").expect("append");
+        let mut items = Vec::new();
+        while let Some(item) = reader.next_item(u64::MAX).expect("read") {
+            items.push(item);
+        }
+        assert_eq!(
+            items[0],
+            Item::Gap {
+                from: starts[1],
+                to: starts[5]
+            }
+        );
+        let offsets: Vec<u64> = items[1..]
+            .iter()
+            .map(|i| match i {
+                Item::Record { offset, .. } => *offset,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(offsets, [&starts[5..], &[end][..]].concat());
+    }
 
     /// Lines read into recycled buffers are exactly the file's, whatever the
     /// buffers held before; oversized buffers are not kept.

@@ -25,10 +25,19 @@ pub fn parse_segment_name(name: &str) -> Option<u64> {
     stem.parse::<i64>().ok().and_then(|v| u64::try_from(v).ok())
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Directory listings made by this thread ([`list_segments`]), for tests
+    /// of how often readers list.
+    pub static LISTINGS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// Start offsets of every segment in `dir`, ascending. A missing directory
 /// has no segments. Only canonical (20-digit) names count; other
 /// `<number>.jsonl` files are ignored.
 pub fn list_segments(dir: &Path) -> io::Result<Vec<u64>> {
+    #[cfg(test)]
+    LISTINGS.with(|n| n.set(n.get() + 1));
     let mut starts = Vec::new();
     let entries = match fs::read_dir(dir) {
         Ok(e) => e,
