@@ -351,3 +351,16 @@ def test_flush_refuses_a_bad_timeout(tmp_path: Path, timeout: float) -> None:
         with pytest.raises(ValueError, match="timeout must be a finite number"):
             m.flush(timeout)
 
+
+
+def test_a_timeout_longer_than_any_clock_is_a_long_wait(tmp_path: Path) -> None:
+    # 1e300 s is finite and >= 0: a wait no clock holds, the same as a long one
+    # (it raised a Rust panic, which `except Exception` misses, and left the
+    # directory locked after close).
+    m = Messenger(config_dict(tmp_path))
+    m.publish("c", "t", 1)
+    m.publish("c", "t", 2, wait=False).wait(1e300)
+    m.flush(1e300)
+    m.close(1e300)
+    with Messenger(config_dict(tmp_path)) as again:  # the directory was released
+        assert [e.message.payload for e in again.read_channel("c")] == [1, 2]

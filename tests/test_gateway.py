@@ -332,6 +332,21 @@ def test_refusals_reach_the_metrics_listener(pki: fed_helpers.PKI, tmp_path: Pat
     assert "keyop_gateway_requests_total 1" in text
 
 
+def test_a_long_poll_wait_beyond_any_clock_waits_max_wait(
+    pki: fed_helpers.PKI, tmp_path: Path
+) -> None:
+    # wait=1e300 is a finite number of seconds no clock holds: it waits the
+    # gateway's max_wait (the handler panicked on it before).
+    with open_gateway(pki, tmp_path / "data", max_wait="300ms") as m:
+        c = Client(pki, m)
+        assert c.publish("sensors", {"payload_type": "t", "payload": 0})[0] == 201
+        end = m.stream_end("sensors")
+        status, _, body = c.request("GET", f"/v1/channels/sensors/messages?after={end}&wait=1e300")
+        assert status == 200 and body["messages"] == []
+        status, _, body = c.request("GET", "/v1/channels/sensors/messages?wait=1e300")
+        assert status == 200 and len(body["messages"]) == 1
+
+
 def test_long_poll_waits_for_the_next_message(pki: fed_helpers.PKI, tmp_path: Path) -> None:
     import threading
 

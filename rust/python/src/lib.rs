@@ -78,11 +78,18 @@ fn section<T: serde::de::DeserializeOwned>(py: Python<'_>, json: &str, what: &st
     serde_json::from_str(json).map_err(|e| new_err(py, Kind::Config, format!("{what}: {e}")))
 }
 
+/// The longest wait a timeout gives: a century. Longer finite timeouts (up to
+/// `1e308`) wait this long, the same in practice, rather than overflowing the
+/// clock arithmetic of the waits.
+const LONGEST_WAIT: Duration = Duration::from_secs(100 * 365 * 86_400);
+
 /// `timeout_s` (seconds, None: the engine's default) as a duration.
 pub(crate) fn timeout_or(timeout_s: Option<f64>, default: Duration) -> PyResult<Duration> {
     match timeout_s {
         None => Ok(default),
-        Some(t) if t.is_finite() && t >= 0.0 => Ok(Duration::from_secs_f64(t)),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Duration::try_from_secs_f64(t)
+            .unwrap_or(LONGEST_WAIT)
+            .min(LONGEST_WAIT)),
         Some(t) => Err(pyo3::exceptions::PyValueError::new_err(format!(
             "timeout must be a finite number of seconds >= 0, got {t}"
         ))),

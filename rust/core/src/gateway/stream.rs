@@ -298,7 +298,8 @@ pub(super) async fn long_poll(
             .parse::<f64>()
             .ok()
             .filter(|s| s.is_finite() && *s >= 0.0)
-            .map(Duration::from_secs_f64)
+            // Beyond what a Duration holds is as long as the longest wait.
+            .map(|s| Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX))
             .ok_or_else(|| bad(format!("wait={w:?} must be a number of seconds >= 0")))?,
         None => Duration::ZERO,
     }
