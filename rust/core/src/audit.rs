@@ -155,13 +155,17 @@ struct State {
     scratch: Vec<u8>,
 }
 
+/// Opens the live file for appending. A torn last line (1.4 never fsyncs
+/// its audit log; a crash of either leaves one) is cut first, so the next
+/// record starts a line of its own instead of being glued to the fragment.
 fn open_live(path: &Path) -> io::Result<Live> {
     let file = OpenOptions::new()
         .create(true)
+        .read(true)
         .append(true)
         .mode(0o644)
         .open(path)?;
-    let size = file.metadata()?.len();
+    let size = crate::storage::segment::repair_tail(&file, path)?;
     Ok(Live { file, size })
 }
 
@@ -378,6 +382,30 @@ mod tests {
         log.close();
         log.log(AuditEvent::new("ignored after close"));
         log.log_forwards("inbound", "p", "c", ["ignored"]);
+    }
+
+    /// A torn last line left by a crash (of 1.4 or of this process) is cut
+    /// on open: the next record is a line of its own, the lines before it
+    /// kept.
+    #[test]
+    fn a_torn_last_line_is_cut_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let audit = dir.path().join("audit");
+        fs::create_dir_all(&audit).unwrap();
+        let kept = "{\"ts\":\"2026-03-31T14:22:01Z\",\"event\":\"client_connected\"}\n";
+        fs::write(
+            audit.join("audit.jsonl"),
+            format!("{kept}{{\"ts\":\"2026-03-31T14:22:0"),
+        )
+        .unwrap();
+        let log = AuditLog::open(dir.path(), 1, 2).unwrap();
+        log.log(AuditEvent::new("hub_started"));
+        let text = fs::read_to_string(log.path()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert_eq!(format!("{}\n", lines[0]), kept);
+        let last: serde_json::Value = serde_json::from_str(lines[1]).unwrap();
+        assert_eq!(last["event"], "hub_started");
     }
 
     /// A forward record encoded once around its id reads as serde writes
