@@ -146,6 +146,75 @@ def test_replay_keeps_the_original_id_origin_and_timestamp(tmp_path: Path) -> No
     assert (replayed.payload, replayed.correlation_id) == ({"n": 0}, "c1")
 
 
+def replay(cfg_file: Path, channel: str) -> list[dict[str, Any]]:
+    """Runs ``dead-letters replay``; its JSON lines."""
+    done = subprocess.run(
+        [sys.executable, "-m", "keyop_messenger.cli", "dead-letters", "replay", "--config",
+         str(cfg_file), channel],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def segment_lines(data_dir: Path, channel: str) -> list[bytes]:
+    return [
+        line
+        for seg in sorted((data_dir / "channels" / channel).glob("*.jsonl"))
+        for line in seg.read_bytes().splitlines()
+    ]
+
+
+def test_replay_appends_the_original_byte_for_byte(tmp_path: Path) -> None:
+    # A 1.4 record with a field this version does not know and a number as
+    # written (1.50): replay appends the very bytes, not a re-encoding.
+    data_dir = tmp_path / "d"
+    line = (
+        b'{"v":1,"id":"01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f","ts":"2026-03-31T14:22:01.1234567Z",'
+        b'"channel":"orders","origin":"go-host","payload_type":"t.Order",'
+        b'"payload":{"price":1.50,"n":0},"x_future":{"k":[1,2]}}'
+    )
+    (data_dir / "channels" / "orders").mkdir(parents=True)
+    (data_dir / "channels" / "orders" / f"{0:020d}.jsonl").write_bytes(line + b"\n")
+    config = {"name": "n1", "storage": {"data_dir": str(data_dir)}}
+    cfg_file = tmp_path / "km.yaml"
+    cfg_file.write_text(json.dumps(config))  # JSON is YAML
+    with Messenger(Config.from_dict(config)) as m:
+        m.subscribe("orders", "billing", Recorder(lambda _msg: DeadLetter("no")), start="earliest")
+        wait_until(lambda: dead_letters(m, "orders"), "the dead letter")
+    (done,) = replay(cfg_file, "orders")
+    assert done["new_id"] == "01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f"
+    assert segment_lines(data_dir, "orders") == [line, line]
+
+
+def test_a_dead_letter_too_large_to_embed_its_original_names_a_whole_copy(
+    tmp_path: Path,
+) -> None:
+    # A record near the 10 MiB limit fits no dead letter around it: the dead
+    # letter (within the limit, readable) names a whole copy, which replay
+    # appends. A long error message is cut.
+    data_dir = tmp_path / "d"
+    config = {"name": "n1", "storage": {"data_dir": str(data_dir)}}
+    cfg_file = tmp_path / "km.yaml"
+    cfg_file.write_text(json.dumps(config))  # JSON is YAML
+    big = "x" * (10 * 1024 * 1024 - 1024)
+    with Messenger(Config.from_dict(config)) as m:
+        m.subscribe("orders", "billing", Recorder(lambda _msg: DeadLetter("e" * 100_000)))
+        first = m.publish("orders", "t", {"n": 0, "big": big})
+        (letter,) = wait_until(lambda: dead_letters(m, "orders"), "the dead letter")
+    (original,) = segment_lines(data_dir, "orders")
+    assert letter["original"] is None
+    assert letter["original_id"] == first
+    assert letter["original_bytes"] == len(original)
+    assert (data_dir / letter["quarantine_file"]).read_bytes() == original + b"\n"
+    assert letter["last_error"].startswith("e" * 16_000)
+    assert letter["last_error"].endswith(f"... ({100_000 - 16 * 1024} more bytes)")
+    assert (letter["reason"], letter["offset"]) == ("rejected", 0)
+    (done,) = replay(cfg_file, "orders")
+    assert (done["original_id"], done["new_id"]) == (first, first)
+    assert segment_lines(data_dir, "orders") == [original, original]
+
+
 def test_async_subscriber_options_and_dead_letter_signal(tmp_path: Path) -> None:
     from keyop_messenger.aio import AsyncMessenger
 

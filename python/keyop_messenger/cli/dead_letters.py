@@ -126,9 +126,22 @@ def _dead_letter_fields(msg: Message) -> dict[str, Any]:
         "failed_at": payload.get("failed_at"),
         "retries": payload.get("retries"),
         "last_error": payload.get("last_error"),
-        "original_id": original.get("id"),
+        # An original too large to embed is named, and copied aside.
+        "original_id": original.get("id") or payload.get("original_id"),
         "original_payload_type": original.get("payload_type"),
+        "quarantine_file": payload.get("quarantine_file"),
     }
+
+
+def _replayable(msg: Message) -> bool:
+    """A dead letter carrying its original, or naming its copy (an original
+    too large to embed; an unreadable record's copy is refused when read)."""
+    if msg.payload_type != DEAD_LETTER_PAYLOAD_TYPE or not isinstance(msg.payload, dict):
+        return False
+    original = msg.payload.get("original")
+    if isinstance(original, dict):
+        return isinstance(original.get("payload_type"), str)
+    return original is None and isinstance(msg.payload.get("original_id"), str)
 
 
 def _cmd_dead_letters(args: argparse.Namespace) -> int:
@@ -188,19 +201,20 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     with m:
         data_dir = Path(m.config.storage.data_dir)
         try:
-            letters = [e.message for e in m.read_channel(channel + DEAD_LETTER_SUFFIX)]
+            entries = list(m.read_channel(channel + DEAD_LETTER_SUFFIX))
         except ChannelNotFoundError:
             m.read_channel(channel)  # the channel itself must exist
-            letters = []
+            entries = []
         if args.ids:
             wanted = set(args.ids)
-            letters = [
-                msg
-                for msg in letters
-                if msg.id in wanted or _dead_letter_fields(msg)["original_id"] in wanted
+            entries = [
+                e
+                for e in entries
+                if e.message.id in wanted
+                or _dead_letter_fields(e.message)["original_id"] in wanted
             ]
-            found = {msg.id for msg in letters} | {
-                _dead_letter_fields(msg)["original_id"] for msg in letters
+            found = {e.message.id for e in entries} | {
+                _dead_letter_fields(e.message)["original_id"] for e in entries
             }
             missing = sorted(wanted - found)
             if missing:
@@ -218,25 +232,26 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             with open(log_path, "a", encoding="utf-8") as replay_log:
                 if new_log:
                     _fsync_dir(log_path.parent)
-                for msg in letters:
+                for entry in entries:
+                    msg = entry.message
                     if msg.id in done:
                         already += 1
                         continue
-                    payload = msg.payload if isinstance(msg.payload, dict) else {}
-                    original = payload.get("original")
-                    if msg.payload_type != DEAD_LETTER_PAYLOAD_TYPE or not (
-                        isinstance(original, dict) and isinstance(original.get("payload_type"), str)
-                    ):
-                        print(f"skipping {msg.id}: not a dead-letter record", file=sys.stderr)
+                    if not _replayable(msg):
+                        copy = _dead_letter_fields(msg)["quarantine_file"]
+                        why = (
+                            f"its original was unreadable (its bytes are in {copy})"
+                            if copy
+                            else "not a dead-letter record"
+                        )
+                        print(f"skipping {msg.id}: {why}", file=sys.stderr)
                         invalid += 1
                         continue
-                    # The original envelope as it was: same id, origin and ts.
-                    new_id = m._engine._republish(
-                        channel, json.dumps(original, separators=(",", ":")).encode()
-                    )
+                    # The original envelope as it was stored, byte for byte.
+                    new_id = m._engine._replay_dead_letter(channel, entry.offset)
                     record = {
                         "dead_letter_id": msg.id,
-                        "original_id": original.get("id"),
+                        "original_id": _dead_letter_fields(msg)["original_id"],
                         "new_id": new_id,
                         "replayed_at": rfc3339(datetime.datetime.now(datetime.timezone.utc)),
                     }
@@ -249,7 +264,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             progress.clear()
     noun = "dead letter" if progress.count == 1 else "dead letters"
     notes = [f"{already} skipped: already replayed"] if already else []
-    notes += [f"{invalid} skipped: not dead-letter records"] if invalid else []
+    notes += [f"{invalid} skipped: nothing to replay (see above)"] if invalid else []
     extra = f" ({'; '.join(notes)})" if notes else ""
     progress.done(f"replayed {progress.count} {noun} to {channel}{extra}")
     return 0

@@ -800,6 +800,7 @@ impl<H: Handler> Worker<H> {
                 }
             }
         };
+        let last_error = bounded_error(last_error);
         if raw {
             // Quarantined and dead-lettered as raw text (logged there).
             return self.commit_dead_letter(d, |w| {
@@ -877,15 +878,48 @@ impl<H: Handler> Worker<H> {
         envelope::push_json_str(&mut payload, &self.channel);
         payload.extend_from_slice(format!(",\"offset\":{}", d.offset).as_bytes());
         payload.push(b'}');
-        self.append_dead_letter(&stamp, &d.envelope().origin, &payload)
+        let origin = &d.envelope().origin;
+        let line = self.dead_letter_line(&stamp, origin, &payload);
+        if line.len() <= envelope::MAX_RECORD_BYTES {
+            return self.dead_letters.append(&line, 1).map(|_| ());
+        }
+        // The original, with the dead letter's fields around it, is over the
+        // record limit (no reader would read it): the original is copied whole
+        // to the quarantine directory first, and the dead letter says where.
+        let data_dir = channel_data_dir(self.writer.dir());
+        quarantine::copy_aside(data_dir, &self.channel, d.offset, d.line()).map_err(|e| {
+            crate::StorageError::Io {
+                context: format!(
+                    "channel {:?}: copying the original of a dead letter aside",
+                    self.channel
+                ),
+                source: Arc::new(e),
+            }
+        })?;
+        let copy = quarantine::quarantine_path(Path::new(""), &self.channel, d.offset);
+        log::warn!(
+            "channel {:?}: record {} at offset {} ({} bytes) is too large to embed in its dead \
+             letter; the dead letter names its copy in {}",
+            self.channel,
+            d.envelope().id,
+            d.offset,
+            d.line().len(),
+            copy.display()
+        );
+        let mut small = Vec::with_capacity(last_error.len() + 512);
+        small.extend_from_slice(b"{\"original\":null,\"original_id\":");
+        envelope::push_json_str(&mut small, &d.envelope().id);
+        small.extend_from_slice(format!(",\"original_bytes\":{}", d.line().len()).as_bytes());
+        small.extend_from_slice(b",\"quarantine_file\":");
+        envelope::push_json_str(&mut small, &copy.to_string_lossy());
+        // The fields after the original, as above.
+        small.extend_from_slice(&payload[b"{\"original\":".len() + d.line().len()..]);
+        let line = self.dead_letter_line(&stamp, origin, &small);
+        self.dead_letters.append(&line, 1).map(|_| ())
     }
 
-    fn append_dead_letter(
-        &self,
-        stamp: &Stamp,
-        origin: &str,
-        payload: &[u8],
-    ) -> Result<(), crate::StorageError> {
+    /// The dead-letter record of `payload`, a line of the `.dead-letter` channel.
+    fn dead_letter_line(&self, stamp: &Stamp, origin: &str, payload: &[u8]) -> Vec<u8> {
         let channel = dead_letter_channel(&self.channel);
         let mut line = Vec::with_capacity(payload.len() + 200);
         encode_record(
@@ -901,13 +935,16 @@ impl<H: Handler> Worker<H> {
             },
             payload,
         );
-        if line.len() > envelope::MAX_RECORD_BYTES {
-            log::warn!(
-                "channel {:?}: dead letter {} exceeds the record limit",
-                self.channel,
-                stamp.id()
-            );
-        }
+        line
+    }
+
+    fn append_dead_letter(
+        &self,
+        stamp: &Stamp,
+        origin: &str,
+        payload: &[u8],
+    ) -> Result<(), crate::StorageError> {
+        let line = self.dead_letter_line(stamp, origin, payload);
         self.dead_letters.append(&line, 1).map(|_| ())
     }
 
@@ -972,6 +1009,23 @@ impl<H: Handler> Worker<H> {
 pub const UNREADABLE_TEXT_BYTES: usize = 64 * 1024;
 
 /// The data directory of a channel directory (`data_dir/channels/<channel>`).
+/// Longest `last_error` a dead letter carries: a handler's message can be
+/// of any size, and the dead letter must stay within the record limit.
+const MAX_ERROR_BYTES: usize = 16 * 1024;
+
+/// `error`, cut at [`MAX_ERROR_BYTES`] (on a character boundary) with a note
+/// of how much was cut.
+fn bounded_error(error: String) -> String {
+    if error.len() <= MAX_ERROR_BYTES {
+        return error;
+    }
+    let mut cut = MAX_ERROR_BYTES;
+    while !error.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}... ({} more bytes)", &error[..cut], error.len() - cut)
+}
+
 fn channel_data_dir(dir: &Path) -> &Path {
     dir.parent().and_then(Path::parent).unwrap_or(dir)
 }

@@ -1041,10 +1041,12 @@ impl PyEngine {
         )
     }
 
-    /// Appends the envelope `record` (JSON) to `channel` unchanged (same id,
-    /// origin, timestamp); returns its id once committed (dead-letter replay).
-    fn _republish(&self, py: Python<'_>, channel: &str, record: &[u8]) -> PyResult<String> {
-        py.detach(|| keyop_core::replay::republish(&self.engine, channel, record))
+    /// Appends the original of the dead letter at `offset` of `channel`'s
+    /// dead-letter channel to `channel`, byte for byte (same id, origin,
+    /// timestamp and fields; from its quarantine copy when it was too large
+    /// to embed); returns its id once committed (dead-letter replay).
+    fn _replay_dead_letter(&self, py: Python<'_>, channel: &str, offset: u64) -> PyResult<String> {
+        py.detach(|| keyop_core::replay::replay_dead_letter(&self.engine, channel, offset))
             .py_err(py)
     }
 

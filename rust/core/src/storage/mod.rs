@@ -193,13 +193,13 @@ impl Store {
         })
     }
 
-    /// The data directory.
     /// Whether appends are fdatasynced before they return
     /// (`sync_interval_ms: 0`).
     pub fn durable(&self) -> bool {
         self.shared.cfg.sync_interval_ms == 0
     }
 
+    /// The data directory.
     pub fn data_dir(&self) -> &Path {
         &self.shared.cfg.data_dir
     }

@@ -73,19 +73,7 @@ pub fn quarantine_path(data_dir: &Path, channel: &str, offset: u64) -> PathBuf {
 /// nothing. A copy that cannot be written is logged; the reader goes on.
 pub fn quarantine(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8], reason: &str) {
     let path = quarantine_path(data_dir, channel, offset);
-    let result = (|| -> io::Result<bool> {
-        segment::create_dir_all(&quarantine_dir(data_dir, channel))?;
-        let mut f = match OpenOptions::new().write(true).create_new(true).open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(false),
-            Err(e) => return Err(e),
-        };
-        f.write_all(bytes)?;
-        f.write_all(b"\n")?;
-        f.sync_all()?;
-        Ok(true)
-    })();
-    match result {
+    match copy_aside(data_dir, channel, offset, bytes) {
         Ok(false) => {
             log::debug!("channel {channel:?}: record at offset {offset} was already quarantined")
         }
@@ -111,6 +99,33 @@ pub fn quarantine(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8], rea
             }
         }
     }
+}
+
+/// Copies the record `bytes` found at `offset` of `channel` to its file
+/// under `quarantine/` ([`quarantine_path`]), synced with its directory
+/// entry; false when a copy was there already. Written under a temporary
+/// name and renamed, so a copy found is always whole.
+pub fn copy_aside(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8]) -> io::Result<bool> {
+    let path = quarantine_path(data_dir, channel, offset);
+    if path.exists() {
+        return Ok(false);
+    }
+    let dir = quarantine_dir(data_dir, channel);
+    segment::create_dir_all(&dir)?;
+    let mut tmp = path.clone().into_os_string();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    f.write_all(b"\n")?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    segment::sync_dir(&dir)?;
+    Ok(true)
 }
 
 /// Decodes a stored line with the reader rules and the payload-depth rule
