@@ -536,10 +536,15 @@ class RawPeer:
 
     def recv(self, timeout: float = WAIT_S) -> tuple[int, bytes]:
         """The next complete text or binary message as ``(opcode, body)``;
-        pings are answered, a Close frame raises :class:`PeerClosed`."""
-        self.sock.settimeout(timeout)
+        pings are answered, a Close frame raises :class:`PeerClosed`. Waits
+        at most ``timeout`` seconds in all (the hub's pings do not extend it)."""
+        deadline = time.monotonic() + timeout
         opcode, parts = None, []
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no complete message within {timeout}s")
+            self.sock.settimeout(left)
             fin, op, data = self._read_frame()
             if op == OP_PING:
                 self.send_frame(OP_PONG, data)

@@ -485,6 +485,48 @@ def test_identity_is_the_certificate_cn_not_the_claimed_name(
     hub.assert_confined(channels={"temps", "cmds"}, cursors={"cmds/fed-node1"})
 
 
+def test_acknowledgements_sent_before_a_batch_acknowledge_nothing(
+    hub: Hub, pki: PKI, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An acknowledgement a client sends with no batch outstanding is dropped:
+    the hub's next batch still waits for its own, so a batch the client never
+    acknowledged is sent again on the next connection (it was taken as the
+    acknowledgement of the batch to come, and the cursor moved past it)."""
+    caplog.set_level(logging.WARNING)
+    with RawPeer(hub.port, pki["node1"], pki.ca) as raw:
+        assert raw.handshake("node1", subscribe=["cmds"]) == HUB_HANDSHAKE
+        wait_peers(hub.m, "node1")
+        raw.send_text(ack_of(""))
+        # (The protocol's acknowledgements name no batch: one arriving after a
+        # batch was sent is taken as its own. So the hub reads it first.)
+        wait_until(
+            lambda: "dropped an acknowledgement" in caplog.text, "the unsolicited ack dropped"
+        )
+        cmd = hub.m.publish("cmds", "test.Command", {})
+        assert rid_of(raw.recv_binary()[4:]) == cmd
+    with RawPeer(hub.port, pki["node1"], pki.ca) as again:
+        assert again.handshake("node1", subscribe=["cmds"]) == HUB_HANDSHAKE
+        assert rid_of(again.recv_binary()[4:]) == cmd, "the unacknowledged batch is sent again"
+        again.send_text(ack_of(cmd))
+
+
+@pytest.mark.parametrize("text", ["[1,2,3]", "not json", '"ack"'])
+def test_an_acknowledgement_that_is_not_a_json_object_ends_the_connection(
+    hub: Hub, pki: PKI, text: str
+) -> None:
+    with RawPeer(hub.port, pki["node1"], pki.ca) as raw:
+        assert raw.handshake("node1", subscribe=["cmds"]) == HUB_HANDSHAKE
+        wait_peers(hub.m, "node1")
+        cmd = hub.m.publish("cmds", "test.Command", {})
+        assert rid_of(raw.recv_binary()[4:]) == cmd
+        raw.send_text(text)
+        with pytest.raises(PeerClosed):
+            raw.recv()
+    with RawPeer(hub.port, pki["node1"], pki.ca) as again:
+        assert again.handshake("node1", subscribe=["cmds"]) == HUB_HANDSHAKE
+        assert rid_of(again.recv_binary()[4:]) == cmd, "the batch was not acknowledged"
+
+
 def test_tls12_client_is_refused_when_13_is_required(
     pki: PKI, tmp_path: Path, start: Starter
 ) -> None:

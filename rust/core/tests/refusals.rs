@@ -23,11 +23,13 @@ fn go_14_handshakes_and_acks_still_parse() {
         "a 1.4 hub restricts nothing we know of"
     );
     assert_eq!(hub.subscribe_allowed, None);
-    let ack = Ack::parse(r#"{"last_id":"01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f"}"#);
+    let ack = Ack::parse(r#"{"last_id":"01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f"}"#).unwrap();
     assert_eq!(ack.last_id, "01970a3c-5e21-7b4f-8c2d-4a1b2c3d4e5f");
     assert!(ack.refused.is_empty());
     // 1.4 counts any text message as the acknowledgement.
-    assert_eq!(Ack::parse("not json"), Ack::default());
+    assert_eq!(Ack::parse("not json"), None);
+    assert_eq!(Ack::parse("[1,2,3]"), None);
+    assert_eq!(Ack::parse(r#"{"last_id":5}"#), Some(Ack::default()));
 }
 
 #[test]
@@ -86,7 +88,7 @@ fn extension_keys_are_extra_keys_only() {
         text,
         r#"{"last_id":"b","refused":[{"id":"b","channel":"debug","reason":"policy"}]}"#
     );
-    assert_eq!(Ack::parse(&text), ack);
+    assert_eq!(Ack::parse(&text), Some(ack));
 }
 
 #[test]

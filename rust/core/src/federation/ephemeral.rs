@@ -602,7 +602,8 @@ async fn serve(
                         }
                     }
                     Message::Text(text) => {
-                        let _ = ack_tx.try_send(Ack::parse(text.as_str()));
+                        // Any text completes the frame in flight (as 1.4's client).
+                        let _ = ack_tx.try_send(Ack::parse(text.as_str()).unwrap_or_default());
                     }
                     Message::Close(_) => return "hub closed the connection".to_owned(),
                     _ => {}

@@ -9,7 +9,7 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -175,6 +175,8 @@ where
     let (sink, stream) = ws.split();
     let sink: Sink<S> = Arc::new(Mutex::new(sink));
     let (ack_tx, ack_rx) = mpsc::channel::<Ack>(4);
+    // Whether a batch of ours awaits its acknowledgement (stop and wait).
+    let outstanding = Arc::new(AtomicBool::new(false));
     let limit = BatchLimit {
         bytes: shared.link.max_batch_bytes.max(1),
         records: match inbound.report_refusals {
@@ -186,13 +188,14 @@ where
         shared.clone(),
         sink.clone(),
         (out, limit),
-        ack_rx,
+        (ack_rx, outstanding.clone()),
         cancel.clone(),
         inbound.peer.clone(),
         inbound.link.clone(),
     ));
     let pinger = tokio::spawn(ping_loop(sink.clone(), cancel.clone()));
-    let read_result = read_loop(&shared, stream, &sink, &inbound, ack_tx, &cancel).await;
+    let acks = (ack_tx, outstanding);
+    let read_result = read_loop(&shared, stream, &sink, &inbound, acks, &cancel).await;
     cancel.cancel();
     let send_result = sender
         .await
@@ -213,7 +216,7 @@ async fn read_loop<S>(
     mut stream: SplitStream<WebSocketStream<S>>,
     sink: &Sink<S>,
     inbound: &Inbound,
-    ack_tx: mpsc::Sender<Ack>,
+    (ack_tx, outstanding): (mpsc::Sender<Ack>, Arc<AtomicBool>),
     cancel: &CancellationToken,
 ) -> Option<String>
 where
@@ -247,8 +250,25 @@ where
                 }
             }
             Message::Text(text) => {
-                // The acknowledgement of our outstanding batch; extra ones are dropped.
-                let _ = ack_tx.try_send(Ack::parse(text.as_str()));
+                let Some(ack) = Ack::parse(text.as_str()) else {
+                    // Nothing a peer sends; our batch, if any, goes again on
+                    // the next connection.
+                    return Some("received a text message that is not a JSON object".into());
+                };
+                if outstanding.swap(false, Ordering::AcqRel) {
+                    let _ = ack_tx.try_send(ack);
+                } else {
+                    // No batch of ours awaits one: taking it would acknowledge
+                    // the next batch before the peer has it (and move the
+                    // cursor past records it may never store).
+                    static UNSOLICITED: RateLimit = RateLimit::new(Duration::from_secs(10));
+                    if let Some(n) = UNSOLICITED.check() {
+                        log::warn!(
+                            "{}: dropped an acknowledgement sent while no batch was outstanding{n}",
+                            inbound.peer
+                        );
+                    }
+                }
             }
             Message::Close(_) => return Some("peer closed the connection".into()),
             _ => {}
@@ -643,7 +663,7 @@ async fn send_loop<S>(
     shared: Arc<Shared>,
     sink: Sink<S>,
     (mut chans, limit): (Vec<OutChannel>, BatchLimit),
-    mut acks: mpsc::Receiver<Ack>,
+    (mut acks, outstanding): (mpsc::Receiver<Ack>, Arc<AtomicBool>),
     cancel: CancellationToken,
     peer: String,
     metrics: Option<Arc<LinkStatus>>,
@@ -707,6 +727,7 @@ where
                 }
                 let full = batch.full;
                 let msg = Message::Binary(Bytes::from_owner(Pooled::new(batch.body, &POOL)));
+                outstanding.store(true, Ordering::Release);
                 if let Err(e) = sink.lock().await.send(msg).await {
                     cancel.cancel();
                     return Some(format!("cannot send a batch: {e}"));

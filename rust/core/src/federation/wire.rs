@@ -141,10 +141,15 @@ impl Ack {
         serde_json::to_string(self).expect("ack serialises")
     }
 
-    /// Parses an acknowledgement; anything that is not one (1.4 counts any
-    /// text message as the acknowledgement) is an ack with nothing refused.
-    pub fn parse(text: &str) -> Ack {
-        serde_json::from_str(text).unwrap_or_default()
+    /// Parses an acknowledgement: any JSON object is one (1.4 takes any as
+    /// the acknowledgement and ignores its content; fields of the wrong type
+    /// read as absent). `None` for text that is not a JSON object.
+    pub fn parse(text: &str) -> Option<Ack> {
+        let value: serde_json::Value = serde_json::from_str(text).ok()?;
+        if !value.is_object() {
+            return None;
+        }
+        Some(serde_json::from_value(value).unwrap_or_default())
     }
 }
 
