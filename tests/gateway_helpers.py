@@ -4,14 +4,18 @@ certificate)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import http.client
 import json
+import os
+import socket
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fed_helpers import PKI, peer, tls_section
+from fed_helpers import PKI, RawPeer, peer, tls_section
 from keyop_messenger import Config, Messenger
 from keyop_messenger.cli.token import token_hash
 
@@ -129,3 +133,41 @@ def _events(resp: http.client.HTTPResponse, n: int) -> Iterator[tuple[str, dict[
         elif line.startswith("data: "):
             got += 1
             yield event_id, json.loads(line[6:])
+
+
+class WsClient(RawPeer):
+    """A hand-written WebSocket client of the gateway (frames as
+    :class:`fed_helpers.RawPeer` sends and reads them), authenticated by the
+    bearer token. ``rcvbuf`` shrinks the socket's receive buffer (set before
+    connecting), for clients that stop reading."""
+
+    def __init__(self, pki: PKI, m: Messenger, path: str, *, token: str = TOKEN,
+                 rcvbuf: int | None = None) -> None:
+        addr = m.gateway_address
+        assert addr is not None
+        raw = socket.socket()
+        raw.settimeout(TIMEOUT_S)
+        if rcvbuf is not None:
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        raw.connect(("127.0.0.1", addr[1]))
+        self.sock = context(pki).wrap_socket(raw, server_hostname="localhost")
+        self._buf = b""
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            (
+                f"GET {path} HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {token}\r\n\r\n"
+            ).encode()
+        )
+        head = self._read_until(b"\r\n\r\n").decode("latin-1")
+        assert head.startswith("HTTP/1.1 101"), head
+        guid = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+        accept = base64.b64encode(hashlib.sha1((key + guid).encode()).digest()).decode()
+        assert accept in head, head
+
+    def recv_json(self) -> dict[str, Any]:
+        """The next text message, decoded."""
+        _, body = self.recv(TIMEOUT_S)
+        doc: dict[str, Any] = json.loads(body)
+        return doc

@@ -154,7 +154,8 @@ class GatewayStats:
     refused: dict[str, int] = field(default_factory=dict)
     """Refusals by reason: ``unauthenticated`` (401), ``forbidden`` (403),
     ``too_large`` (413), ``rate_limited`` (429), ``too_many_streams`` (503),
-    ``bad_request`` (400, 404, 405) and ``timed_out`` (header or idle timeout)."""
+    ``bad_request`` (400, 404, 405), ``timed_out`` (header or idle timeout) and
+    ``storage`` (500: the record could not be stored, e.g. a full disk)."""
 
 
 @dataclass(frozen=True)

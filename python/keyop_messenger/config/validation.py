@@ -342,6 +342,7 @@ def _check_gateway(config: ConfigFields, problems: Problems) -> None:
     if not problems.usable("gateway.tokens"):
         return
     seen: dict[str, str] = {}
+    hashes: dict[str, str] = {}
     for index, token in enumerate(gw.tokens):
         path = f"gateway.tokens[{index}]"
         if problems.usable(f"{path}.name"):
@@ -359,6 +360,17 @@ def _check_gateway(config: ConfigFields, problems: Problems) -> None:
                 "must be sha256:<64 lowercase hex digits> (the hash printed by "
                 "`keyop-messenger token create NAME`; never the token itself)",
             )
+        elif problems.usable(f"{path}.hash"):
+            if token.hash in hashes:
+                # One token would match both entries: which access it gets is
+                # not something to leave to list order.
+                problems.add(
+                    f"{path}.hash",
+                    f"duplicate token hash: entry {token.name!r} has the same hash as "
+                    f"{hashes[token.hash]}; create a token per entry",
+                )
+            else:
+                hashes[token.hash] = f"{path} ({token.name!r})"
         for field in ("publish", "subscribe"):
             _check_channel_names(problems, f"{path}.{field}", getattr(token, field))
 

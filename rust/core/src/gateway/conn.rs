@@ -4,10 +4,10 @@
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -17,6 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
+use super::activity::Activity;
 use super::State;
 use crate::federation::tls;
 
@@ -91,14 +92,16 @@ async fn serve(state: Arc<State>, acceptor: TlsAcceptor, tcp: TcpStream, remote:
         .peer_certificates()
         .and_then(|c| c.first())
         .and_then(|c| tls::peer_cn(c));
-    let activity = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
+    let activity = Activity::new();
     let io = Watched {
         inner: tls,
         activity: activity.clone(),
-        started,
     };
-    let client = Arc::new(super::http::Client { cn, remote });
+    let client = Arc::new(super::reply::Client {
+        cn,
+        remote,
+        activity: activity.clone(),
+    });
     let st = state.clone();
     let service = service_fn(move |req| super::http::handle(st.clone(), client.clone(), req));
     let conn = http1::Builder::new()
@@ -107,15 +110,7 @@ async fn serve(state: Arc<State>, acceptor: TlsAcceptor, tcp: TcpStream, remote:
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
     tokio::pin!(conn);
-    let watchdog = async {
-        loop {
-            tokio::time::sleep(idle / 4).await;
-            let last = Duration::from_millis(activity.load(Ordering::Relaxed));
-            if started.elapsed().saturating_sub(last) > idle {
-                return;
-            }
-        }
-    };
+    let watchdog = activity.idle(idle);
     tokio::select! {
         _ = state.cancel.cancelled() => {
             conn.as_mut().graceful_shutdown();
@@ -136,17 +131,15 @@ async fn serve(state: Arc<State>, acceptor: TlsAcceptor, tcp: TcpStream, remote:
     }
 }
 
-/// A stream that records when bytes last moved (milliseconds since `started`).
+/// A stream that records when bytes last moved.
 struct Watched<S> {
     inner: S,
-    activity: Arc<AtomicU64>,
-    started: Instant,
+    activity: Activity,
 }
 
 impl<S> Watched<S> {
     fn touch(&self) {
-        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.activity.store(ms, Ordering::Relaxed);
+        self.activity.touch();
     }
 }
 

@@ -2,32 +2,31 @@
 //! endpoint.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
+use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 
 use super::auth::{self, Access, AuthError, Identity};
 use super::publish::publish_body;
-use super::reply::{full, header_str, json, param, percent_decode, query, refuse, Body, Refusal};
+use super::reply::{
+    full, header_str, json, log_refusal, param, percent_decode, query, refuse, Body, Client,
+    Refusal,
+};
 use super::State;
 use crate::envelope::{validate_name, NameKind};
 
-static REFUSALS_LOGGED: crate::lograte::RateLimit =
-    crate::lograte::RateLimit::new(std::time::Duration::from_secs(10));
+/// Most bytes of a refused request's body read and thrown away before the
+/// connection closes, so a client that sends its whole body before reading
+/// the answer gets the answer (closing with unread bytes resets the
+/// connection, and the client loses it).
+const DRAIN_MIN: usize = 4 * 1024 * 1024;
 
 /// The OpenAPI 3.1 description of this API.
 pub const OPENAPI: &str = include_str!("openapi.json");
-
-/// The connection a request came on.
-pub(super) struct Client {
-    /// Subject CN of the verified client certificate, if one was presented.
-    pub cn: Option<String>,
-    pub remote: SocketAddr,
-}
 
 /// Who sent `req` (certificate or bearer token, or `access_token` in the
 /// query for browsers' EventSource, which cannot set headers).
@@ -77,32 +76,56 @@ fn authenticate(
 pub(super) async fn handle(
     state: Arc<State>,
     client: Arc<Client>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     state.counters.requests.fetch_add(1, Ordering::Relaxed);
-    let resp = match route(&state, &client, req).await {
+    let resp = match route(&state, &client, &mut req).await {
         Ok(r) => r,
         Err(r) => {
-            // Counted always; logged at most once per 10 s (a flood of bad
-            // requests must not flood the log).
-            if let Some(more) = REFUSALS_LOGGED.check() {
-                log::info!(
-                    "gateway: refused a request of {}: {} {}{more}",
-                    client.remote,
-                    r.status,
-                    r.message
-                );
+            log_refusal(&client.remote.to_string(), &r);
+            let unread = !req.body().is_end_stream();
+            let mut resp = refuse(&state, r);
+            if unread {
+                // Answered before the body was read (or all of it): read a
+                // bounded amount of the rest, then close the connection.
+                drain(&state, &mut req).await;
+                resp.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
-            refuse(&state, r)
+            resp
         }
     };
     Ok(resp)
 }
 
+/// Reads and drops what is left of a refused request's body: at most
+/// `max(gateway.max_body_bytes, 4 MiB)` bytes within `gateway.header_timeout`.
+/// A client waiting for `100 Continue` has sent nothing: nothing is read.
+async fn drain(state: &State, req: &mut Request<Incoming>) {
+    let budget = state.cfg.max_body_bytes.max(DRAIN_MIN) as u64;
+    let expects = header_str(req, "expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+    let declared = header_str(req, "content-length").and_then(|v| v.parse::<u64>().ok());
+    if expects || declared.is_some_and(|n| n > budget) {
+        return;
+    }
+    let limit = std::time::Duration::from_millis(state.cfg.header_timeout_ms.max(1));
+    let body = req.body_mut();
+    let _ = tokio::time::timeout(limit, async {
+        let mut read = 0u64;
+        while let Some(Ok(frame)) = body.frame().await {
+            read += frame.data_ref().map_or(0, |d| d.len() as u64);
+            if read > budget {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
 async fn route(
     state: &Arc<State>,
     client: &Client,
-    req: Request<Incoming>,
+    req: &mut Request<Incoming>,
 ) -> Result<Response<Body>, Refusal> {
     let path = req.uri().path().to_owned();
     if path == "/v1/openapi.json" {
@@ -128,7 +151,7 @@ async fn route(
             format!("no such path {path:?}: use /v1/channels/{{channel}}/messages or /ws"),
         ));
     }
-    let identity = authenticate(state, client, &req)?;
+    let identity = authenticate(state, client, req)?;
     if let Err(wait) = state.limiter.check(&identity.label) {
         let mut r = Refusal::new(
             StatusCode::TOO_MANY_REQUESTS,
@@ -170,11 +193,12 @@ async fn route(
                 return Err(forbidden(Access::Subscribe));
             }
             let create = identity.names(Access::Subscribe, &channel);
-            let sse = header_str(&req, "accept").is_some_and(|a| a.contains("text/event-stream"));
+            let sse = header_str(req, "accept")
+                .is_some_and(|a| a.to_ascii_lowercase().contains("text/event-stream"));
             if sse {
-                super::stream::sse(state, &channel, &req, create).await
+                super::stream::sse(state, &channel, req, create).await
             } else {
-                super::stream::long_poll(state, &channel, &req, create).await
+                super::stream::long_poll(state, &channel, req, create).await
             }
         }
         (&Method::GET, "ws") => {
@@ -183,20 +207,24 @@ async fn route(
             {
                 return Err(forbidden(Access::Subscribe));
             }
-            super::ws::upgrade(state, &channel, req, identity)
+            super::ws::upgrade(state, &channel, req, identity, client)
         }
-        _ => Err(Refusal::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method_not_allowed",
-            format!("{} is not served on {path:?}", req.method()),
-        )),
+        _ => {
+            let mut r = Refusal::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                format!("{} is not served on {path:?}", req.method()),
+            );
+            r.allow = Some(if tail == "ws" { "GET" } else { "GET, POST" });
+            Err(r)
+        }
     }
 }
 
 async fn publish(
     state: &Arc<State>,
     channel: &str,
-    req: Request<Incoming>,
+    req: &mut Request<Incoming>,
 ) -> Result<Response<Body>, Refusal> {
     let max = state.cfg.max_body_bytes;
     let too_large = || {
@@ -206,12 +234,22 @@ async fn publish(
             format!("the body is over gateway.max_body_bytes ({max} bytes); send fewer or smaller messages"),
         )
     };
-    let declared = header_str(&req, "content-length").and_then(|v| v.parse::<u64>().ok());
+    let declared = header_str(req, "content-length").and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > max as u64) {
         return Err(too_large());
     }
-    let default_type = header_str(&req, "keyop-payload-type").map(str::to_owned);
-    let body = Limited::new(req.into_body(), max)
+    let default_type = match req.headers().get("keyop-payload-type") {
+        None => None,
+        Some(v) => Some(v.to_str().map(str::to_owned).map_err(|_| {
+            Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "invalid",
+                "the Keyop-Payload-Type header is not valid: it must be visible ASCII \
+                 (set payload_type in the body for other types)",
+            )
+        })?),
+    };
+    let body = Limited::new(req.body_mut(), max)
         .collect()
         .await
         .map_err(|e| {

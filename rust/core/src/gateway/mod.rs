@@ -10,6 +10,7 @@
 //! body size, per-client rate, open streams and slow clients are bounded,
 //! and every refusal is counted ([`GatewayCounters`]).
 
+mod activity;
 pub mod auth;
 mod conn;
 mod http;
@@ -125,6 +126,8 @@ pub struct GatewayCounters {
     pub refused_rate_limited: AtomicU64,
     pub refused_too_many_streams: AtomicU64,
     pub refused_bad_request: AtomicU64,
+    /// Publishes or reads that failed in storage (disk full, EIO: 500).
+    pub refused_storage: AtomicU64,
     pub timed_out: AtomicU64,
 }
 
@@ -146,6 +149,7 @@ impl GatewayCounters {
                 g(&self.refused_too_many_streams),
             ),
             ("refused_bad_request", g(&self.refused_bad_request)),
+            ("refused_storage", g(&self.refused_storage)),
             ("timed_out", g(&self.timed_out)),
         ]
     }

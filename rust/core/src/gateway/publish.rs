@@ -22,6 +22,26 @@ pub(super) struct MessageIn {
     pub service_name: Option<String>,
 }
 
+/// Whether a JSON parse failed on serde_json's nesting limit (128), which
+/// is past the record rule's 100 levels.
+pub(super) fn is_too_deep(e: &serde_json::Error) -> bool {
+    e.to_string().starts_with("recursion limit exceeded")
+}
+
+/// The refusal of a body nested past what any record may hold, in the
+/// words of the record rule.
+pub(super) fn too_deep() -> Refusal {
+    Refusal::new(
+        StatusCode::BAD_REQUEST,
+        "invalid",
+        format!(
+            "the body is nested deeper than {} levels of arrays and objects \
+             (a payload may nest at most {0})",
+            crate::envelope::MAX_PAYLOAD_DEPTH
+        ),
+    )
+}
+
 /// Parses a publish body and publishes it through the channel writer:
 /// `Ok` only once every record is committed.
 pub(super) async fn publish_body(
@@ -40,8 +60,13 @@ pub(super) async fn publish_body(
             ),
         )
     };
-    let mut parsed: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| invalid(e.to_string()))?;
+    let mut parsed: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        if is_too_deep(&e) {
+            too_deep()
+        } else {
+            invalid(e.to_string())
+        }
+    })?;
     let batch = match parsed.as_object_mut() {
         Some(o) if o.contains_key("messages") => {
             if o.len() > 1 {
@@ -144,6 +169,9 @@ pub(super) fn check_channel_budget(
         .entry(identity.label.clone())
         .or_insert_with(|| Arc::new(crate::federation::ChannelBudget::new(identity.max_channels)))
         .clone();
+    // The current `max_channels` (a reload may have changed it), as the hub
+    // applies it on each admission.
+    budget.set_limit(identity.max_channels);
     if budget.try_create(channel) {
         Ok(())
     } else {

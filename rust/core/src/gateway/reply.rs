@@ -2,7 +2,7 @@
 //! reason), query parameters and headers.
 
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use http_body_util::combinators::BoxBody;
@@ -11,8 +11,45 @@ use hyper::body::{Bytes, Incoming};
 use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 
-use super::State;
+use super::{GatewayCounters, State};
 use crate::Error;
+
+/// Refusals are logged at most once per 10 s (they are all counted).
+pub(super) static REFUSALS_LOGGED: crate::lograte::RateLimit =
+    crate::lograte::RateLimit::new(std::time::Duration::from_secs(10));
+/// Storage errors (disk full, EIO) are logged apart from refusals, so a
+/// flood of bad requests does not hide them.
+pub(super) static STORAGE_ERRORS_LOGGED: crate::lograte::RateLimit =
+    crate::lograte::RateLimit::new(std::time::Duration::from_secs(10));
+
+/// The connection a request came on.
+pub(super) struct Client {
+    /// Subject CN of the verified client certificate, if one was presented.
+    pub cn: Option<String>,
+    pub remote: std::net::SocketAddr,
+    /// When bytes last moved on the connection (a WebSocket's idle timeout).
+    pub activity: super::activity::Activity,
+}
+
+/// Logs a refusal: counted always, logged at most once per 10 s (a flood of
+/// bad requests must not flood the log); a storage error at WARNING.
+pub(super) fn log_refusal(who: &str, r: &Refusal) {
+    if r.status.is_server_error() && r.code == "storage" {
+        if let Some(more) = STORAGE_ERRORS_LOGGED.check() {
+            log::warn!(
+                "gateway: cannot serve a request of {who}: {} {}{more}",
+                r.status,
+                r.message
+            );
+        }
+    } else if let Some(more) = REFUSALS_LOGGED.check() {
+        log::info!(
+            "gateway: refused a request of {who}: {} {}{more}",
+            r.status,
+            r.message
+        );
+    }
+}
 
 /// Response bodies: whole or streamed.
 pub(super) type Body = BoxBody<Bytes, Infallible>;
@@ -23,6 +60,8 @@ pub(super) struct Refusal {
     pub code: &'static str,
     pub message: String,
     pub retry_after: Option<u64>,
+    /// The methods served, for a 405's `Allow` header.
+    pub allow: Option<&'static str>,
 }
 
 impl Refusal {
@@ -32,6 +71,7 @@ impl Refusal {
             code,
             message: message.into(),
             retry_after: None,
+            allow: None,
         }
     }
 }
@@ -56,10 +96,16 @@ pub(super) fn json(status: StatusCode, v: &serde_json::Value) -> Response<Body> 
     )
 }
 
-/// The JSON error body of a refusal (counted by reason).
-pub(super) fn refuse(state: &State, r: Refusal) -> Response<Body> {
-    let c = &state.counters;
-    let counter = match r.status {
+/// Counts a refusal under its reason.
+pub(super) fn count(state: &State, r: &Refusal) {
+    if let Some(counter) = counter(&state.counters, r) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The counter of a refusal's reason (none for a closing messenger).
+fn counter<'a>(c: &'a GatewayCounters, r: &Refusal) -> Option<&'a AtomicU64> {
+    match r.status {
         StatusCode::UNAUTHORIZED => Some(&c.refused_unauthenticated),
         StatusCode::FORBIDDEN => Some(&c.refused_forbidden),
         StatusCode::PAYLOAD_TOO_LARGE => Some(&c.refused_too_large),
@@ -70,11 +116,14 @@ pub(super) fn refuse(state: &State, r: Refusal) -> Response<Body> {
         StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => {
             Some(&c.refused_bad_request)
         }
+        _ if r.code == "storage" => Some(&c.refused_storage),
         _ => None,
-    };
-    if let Some(counter) = counter {
-        counter.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// The JSON error body of a refusal (counted by reason).
+pub(super) fn refuse(state: &State, r: Refusal) -> Response<Body> {
+    count(state, &r);
     let mut resp = json(
         r.status,
         &serde_json::json!({"error": r.code, "message": r.message}),
@@ -88,6 +137,10 @@ pub(super) fn refuse(state: &State, r: Refusal) -> Response<Body> {
     if let Some(s) = r.retry_after {
         resp.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(s.max(1)));
+    }
+    if let Some(allow) = r.allow {
+        resp.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(allow));
     }
     resp
 }
@@ -181,7 +234,21 @@ pub(super) fn max_wait(state: &State) -> Duration {
 
 #[cfg(test)]
 mod tests {
-    use super::percent_decode;
+    use super::*;
+
+    #[test]
+    fn a_storage_error_is_counted_as_storage() {
+        let c = GatewayCounters::default();
+        let io = std::io::Error::new(std::io::ErrorKind::StorageFull, "No space left on device");
+        let r = engine_refusal(&Error::Storage(crate::StorageError::Io {
+            context: "append to segment".into(),
+            source: std::sync::Arc::new(io),
+        }));
+        assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(std::ptr::eq(counter(&c, &r).unwrap(), &c.refused_storage));
+        let closed = Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "closed", "closed");
+        assert!(counter(&c, &closed).is_none());
+    }
 
     #[test]
     fn decodes_percent_escapes() {

@@ -28,9 +28,19 @@ fn heartbeat(state: &State) -> Duration {
     Duration::from_secs(15).min(Duration::from_millis(state.cfg.idle_timeout_ms.max(3) / 3))
 }
 /// Records read per step of a stream.
-const STEP: usize = 256;
+pub(super) const STEP: usize = 256;
+/// Bytes of records read per step of a stream (SSE, WebSocket): a step
+/// stops once it holds this much, or after one record larger than it, so a
+/// stream buffers a few steps of at most this plus one record, whatever the
+/// records' size.
+pub(super) const STEP_BYTES: usize = 256 * 1024;
 /// Largest `limit` of a long poll.
 pub const MAX_LIMIT: usize = 1000;
+/// Bytes of records an answer of a long poll holds at most (plus one record
+/// when a single record is larger): the client reads on from its `next`.
+pub const ANSWER_BYTES: usize = 1024 * 1024;
+/// Batches an SSE stream queues for its connection.
+const SSE_QUEUE: usize = 2;
 
 /// Parses `earliest`, `latest`, a byte offset or an RFC 3339 time.
 pub(super) fn parse_position(text: &str) -> Result<StartPosition, Refusal> {
@@ -90,6 +100,12 @@ pub(super) fn take_slot(state: &Arc<State>) -> Result<Slot, Refusal> {
 /// client's list names the channel) reading creates it, as a local
 /// subscribe does, so a client may listen before the first message;
 /// otherwise a channel that does not exist is a 404.
+///
+/// A resume position whose data retention deleted (below the oldest record
+/// kept) is not refused: the reader starts there, so its first item is the
+/// gap up to the oldest record kept (SSE `event: gap`, a long poll's `gaps`),
+/// and goes on from that record. A position past the end or inside a
+/// record is still refused (400).
 pub(super) fn open_reader(
     state: &State,
     channel: &str,
@@ -103,9 +119,22 @@ pub(super) fn open_reader(
             "the messenger is closed",
         )
     })?;
-    engine
-        .open_reader(channel, pos, create)
-        .map_err(|e| http::engine_refusal(&e))
+    match engine.open_reader(channel, pos, create) {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            if let StartPosition::Offset(o) = pos {
+                if let Ok((mut reader, writer)) =
+                    engine.open_reader(channel, StartPosition::Earliest, create)
+                {
+                    if o < reader.position() {
+                        reader.seek(o);
+                        return Ok((reader, writer));
+                    }
+                }
+            }
+            Err(http::engine_refusal(&e))
+        }
+    }
 }
 
 /// One readable item of a channel, as clients see it.
@@ -121,16 +150,21 @@ pub(super) enum Event {
     },
 }
 
-/// Reads at most `max` events up to the committed end. Records that are not
-/// valid envelopes are skipped (the subscriber path quarantines them).
+/// Reads at most `max` records (and the gaps among them) up to the
+/// committed end, stopping once the records read hold `max_bytes` or more
+/// (always at least one record, so a record larger than `max_bytes` still
+/// goes). Records that are not valid
+/// envelopes are skipped (the subscriber path quarantines them).
 pub(super) fn read_events(
     reader: &mut LogReader,
     writer: &ChannelWriter,
     max: usize,
+    max_bytes: usize,
 ) -> std::io::Result<Vec<Event>> {
     let limit = writer.committed_end();
     let mut out = Vec::new();
-    while out.len() < max {
+    let (mut records, mut bytes) = (0usize, 0usize);
+    while records < max && bytes < max_bytes {
         let Some(item) = reader.next_item(limit)? else {
             break;
         };
@@ -138,6 +172,8 @@ pub(super) fn read_events(
         match item {
             Item::Record { offset, line, .. } => {
                 if Envelope::decode(&line).is_ok() {
+                    bytes += line.len();
+                    records += 1;
                     out.push(Event::Record { offset, next, line });
                 }
             }
@@ -185,7 +221,7 @@ pub(super) async fn sse(
     };
     let slot = take_slot(state)?;
     let (reader, writer) = open_reader(state, channel, pos, create)?;
-    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    let (tx, rx) = mpsc::channel::<Bytes>(SSE_QUEUE);
     let st = state.clone();
     tokio::spawn(async move {
         let _slot = slot;
@@ -213,7 +249,9 @@ async fn sse_loop(
         return;
     }
     loop {
-        let events = match tokio::task::block_in_place(|| read_events(&mut reader, &writer, STEP)) {
+        let events = match tokio::task::block_in_place(|| {
+            read_events(&mut reader, &writer, STEP, STEP_BYTES)
+        }) {
             Ok(e) => e,
             Err(e) => {
                 log::error!("gateway: cannot read channel {:?}: {e}", writer.channel());
@@ -308,14 +346,15 @@ pub(super) async fn long_poll(
     let (mut reader, writer) = open_reader(state, channel, pos, create)?;
     let deadline = tokio::time::Instant::now() + wait;
     let events = loop {
-        let events = tokio::task::block_in_place(|| read_events(&mut reader, &writer, limit))
-            .map_err(|e| {
-                Refusal::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "storage",
-                    format!("cannot read channel {channel:?}: {e}"),
-                )
-            })?;
+        let events =
+            tokio::task::block_in_place(|| read_events(&mut reader, &writer, limit, ANSWER_BYTES))
+                .map_err(|e| {
+                    Refusal::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "storage",
+                        format!("cannot read channel {channel:?}: {e}"),
+                    )
+                })?;
         if !events.is_empty() || tokio::time::Instant::now() >= deadline {
             break events;
         }

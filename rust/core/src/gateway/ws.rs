@@ -3,7 +3,10 @@
 //! an optional `ref` echoed back) and gets `{"type":"published",...}` once
 //! committed or `{"type":"error",...}`; when it may read the channel it gets
 //! `{"type":"message","next":...,"message":{...}}` from `from` (default
-//! `latest`).
+//! `latest`). Each publish frame takes a request from the client's rate
+//! limit; a frame over `gateway.max_body_bytes` closes with 1009, shutdown
+//! with 1001, and a connection on which no byte moves for
+//! `gateway.idle_timeout` (a reader that stopped reading) is dropped.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -15,32 +18,40 @@ use hyper::body::{Bytes, Incoming};
 use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use tokio::io::AsyncReadExt;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
-use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
 use super::auth::{Access, Identity};
 use super::publish;
-use super::reply::{self as http, Body, Refusal};
+use super::reply::{self as http, log_refusal, Body, Client, Refusal, REFUSALS_LOGGED};
 use super::stream::{self, Event};
 use super::State;
 use crate::storage::{ChannelWriter, LogReader};
 
 const PING: Duration = Duration::from_secs(15);
+/// After closing for a frame over the limit, the rest of the client's bytes
+/// are read and dropped for at most this long (and this many), so the
+/// close frame reaches a client still sending rather than a reset.
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+const DRAIN_BYTES: usize = 64 * 1024 * 1024;
 
 pub(super) fn upgrade(
     state: &Arc<State>,
     channel: &str,
-    mut req: Request<Incoming>,
+    req: &mut Request<Incoming>,
     identity: Identity,
+    client: &Client,
 ) -> Result<Response<Body>, Refusal> {
     let may_publish = identity.allows(Access::Publish, channel);
     let may_subscribe = identity.allows(Access::Subscribe, channel);
     let create = identity.names(Access::Subscribe, channel);
-    let key = http::header_str(&req, "sec-websocket-key").map(str::to_owned);
+    let key = http::header_str(req, "sec-websocket-key").map(str::to_owned);
     let is_ws =
-        http::header_str(&req, "upgrade").is_some_and(|u| u.eq_ignore_ascii_case("websocket"));
+        http::header_str(req, "upgrade").is_some_and(|u| u.eq_ignore_ascii_case("websocket"));
     let Some(key) = key.filter(|_| is_ws) else {
         return Err(Refusal::new(
             StatusCode::BAD_REQUEST,
@@ -48,7 +59,7 @@ pub(super) fn upgrade(
             "this path is a WebSocket: send Upgrade: websocket and Sec-WebSocket-Key",
         ));
     };
-    let q = http::query(&req);
+    let q = http::query(req);
     let pos = stream::parse_position(http::param(&q, "from").unwrap_or("latest"))?;
     let slot = stream::take_slot(state)?;
     let reader = if may_subscribe {
@@ -58,19 +69,34 @@ pub(super) fn upgrade(
         None
     };
     let (st, ch) = (state.clone(), channel.to_owned());
+    let (activity, remote) = (client.activity.clone(), client.remote);
+    let on_upgrade = hyper::upgrade::on(req);
     tokio::spawn(async move {
         let _slot = slot;
-        let upgraded = match hyper::upgrade::on(&mut req).await {
+        let upgraded = match on_upgrade.await {
             Ok(u) => u,
             Err(e) => {
                 log::debug!("gateway: WebSocket upgrade failed: {e}");
                 return;
             }
         };
-        let cfg = WebSocketConfig::default().max_message_size(Some(st.cfg.max_body_bytes));
+        // A frame over the limit is refused from its header, before its
+        // payload is buffered.
+        let cfg = WebSocketConfig::default()
+            .max_message_size(Some(st.cfg.max_body_bytes))
+            .max_frame_size(Some(st.cfg.max_body_bytes));
         let ws =
             WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(cfg)).await;
-        run(st, ch, ws, (may_publish, identity), reader).await;
+        let idle = Duration::from_millis(st.cfg.idle_timeout_ms.max(1));
+        tokio::select! {
+            _ = run(st.clone(), ch, ws, (may_publish, identity), reader) => {}
+            // Nothing moved either way (the client stopped reading, so a
+            // send is blocked; or it vanished): drop the connection.
+            _ = activity.idle(idle) => {
+                st.counters.timed_out.fetch_add(1, Ordering::Relaxed);
+                log::info!("gateway: closed the WebSocket of {remote}: no byte moved for {idle:?}");
+            }
+        }
     });
     let mut resp = Response::new(Empty::<Bytes>::new().boxed());
     *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
@@ -98,7 +124,9 @@ async fn run<S>(
     loop {
         // Deliver what is committed first.
         if let Some((r, w)) = reader.as_mut() {
-            let events = tokio::task::block_in_place(|| stream::read_events(r, w, 256));
+            let events = tokio::task::block_in_place(|| {
+                stream::read_events(r, w, stream::STEP, stream::STEP_BYTES)
+            });
             let events = match events {
                 Ok(e) => e,
                 Err(e) => {
@@ -141,7 +169,7 @@ async fn run<S>(
         };
         tokio::select! {
             _ = state.cancel.cancelled() => {
-                let _ = sink.close().await;
+                let _ = sink.send(close(CloseCode::Away, "the gateway is shutting down")).await;
                 return;
             }
             _ = committed => {
@@ -154,7 +182,7 @@ async fn run<S>(
             _ = tokio::time::sleep(PING.min(idle / 3)) => {
                 if last_heard.elapsed() > idle {
                     state.counters.timed_out.fetch_add(1, Ordering::Relaxed);
-                    let _ = sink.close().await;
+                    let _ = sink.send(close(CloseCode::Away, "idle timeout")).await;
                     return;
                 }
                 if sink.send(Message::Ping(Bytes::new())).await.is_err() {
@@ -163,12 +191,42 @@ async fn run<S>(
             }
             msg = source.next() => {
                 last_heard = tokio::time::Instant::now();
-                let text = match msg {
-                    Some(Ok(Message::Text(t))) => t,
+                let reply = match msg {
+                    Some(Ok(Message::Text(t))) => {
+                        publish_frame(&state, &channel, t.as_str(), may_publish, &identity).await
+                    }
+                    Some(Ok(Message::Binary(b))) => {
+                        let r = Refusal::new(
+                            StatusCode::BAD_REQUEST,
+                            "invalid",
+                            "binary frames are not served: send each publish request as a \
+                             text frame (JSON)",
+                        );
+                        http::count(&state, &r);
+                        error_frame(&reference(&b), r)
+                    }
+                    Some(Err(WsError::Capacity(e))) => {
+                        let r = Refusal::new(
+                            StatusCode::PAYLOAD_TOO_LARGE,
+                            "too_large",
+                            format!("a frame over gateway.max_body_bytes ({} bytes): {e}", state.cfg.max_body_bytes),
+                        );
+                        http::count(&state, &r);
+                        if let Some(more) = REFUSALS_LOGGED.check() {
+                            log::info!(
+                                "gateway: closed a WebSocket on channel {channel:?} (1009): {}{more}",
+                                r.message
+                            );
+                        }
+                        let _ = sink.send(close(CloseCode::Size, "message too big")).await;
+                        if let Ok(mut ws) = sink.reunite(source) {
+                            drain(ws.get_mut()).await;
+                        }
+                        return;
+                    }
                     Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
                     Some(Ok(_)) => continue,
                 };
-                let reply = publish_frame(&state, &channel, text.as_str(), may_publish, &identity).await;
                 if sink.send(Message::Text(reply.to_string().into())).await.is_err() {
                     return;
                 }
@@ -177,7 +235,53 @@ async fn run<S>(
     }
 }
 
-/// Handles one publish frame: the reply to send back.
+/// A close frame with `code` and `reason`.
+fn close(code: CloseCode, reason: &'static str) -> Message {
+    Message::Close(Some(CloseFrame {
+        code,
+        reason: reason.into(),
+    }))
+}
+
+/// Reads and drops what the client still sends (bounded in time and bytes)
+/// once the close frame is out, so closing does not reset the connection
+/// under the close frame.
+async fn drain<S: tokio::io::AsyncRead + Unpin>(io: &mut S) {
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut read = 0usize;
+        while read < DRAIN_BYTES {
+            match io.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => read += n,
+            }
+        }
+    })
+    .await;
+}
+
+/// The `ref` of a frame, if it is a JSON object holding one.
+fn reference(frame: &[u8]) -> serde_json::Value {
+    serde_json::from_slice::<serde_json::Value>(frame)
+        .ok()
+        .and_then(|v| v.get("ref").cloned())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// The error frame answering the frame of `reference`.
+fn error_frame(reference: &serde_json::Value, r: Refusal) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "type": "error", "ref": reference, "status": r.status.as_u16(),
+        "error": r.code, "message": r.message,
+    });
+    if let Some(s) = r.retry_after {
+        v["retry_after"] = serde_json::json!(s.max(1));
+    }
+    v
+}
+
+/// Handles one publish frame: the reply to send back. Refusals are counted
+/// by reason, as HTTP requests' are.
 async fn publish_frame(
     state: &State,
     channel: &str,
@@ -185,21 +289,26 @@ async fn publish_frame(
     may_publish: bool,
     identity: &Identity,
 ) -> serde_json::Value {
-    let reference = serde_json::from_str::<serde_json::Value>(text)
-        .ok()
-        .and_then(|v| v.get("ref").cloned())
-        .unwrap_or(serde_json::Value::Null);
+    let reference = reference(text.as_bytes());
     let refused = |r: Refusal| {
-        serde_json::json!({
-            "type": "error", "ref": reference, "status": r.status.as_u16(),
-            "error": r.code, "message": r.message,
-        })
+        http::count(state, &r);
+        log_refusal(&identity.label, &r);
+        error_frame(&reference, r)
     };
+    // Each publish frame is a request of the client's rate limit.
+    if let Err(wait) = state.limiter.check(&identity.label) {
+        let mut r = Refusal::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limited",
+            format!(
+                "{} is over gateway.rate_limit_per_s ({}/s); retry later",
+                identity.label, state.cfg.rate_limit_per_s
+            ),
+        );
+        r.retry_after = Some(wait.as_secs_f64().ceil() as u64);
+        return refused(r);
+    }
     if !may_publish {
-        state
-            .counters
-            .refused_forbidden
-            .fetch_add(1, Ordering::Relaxed);
         return refused(Refusal::new(
             StatusCode::FORBIDDEN,
             "forbidden",
@@ -207,20 +316,13 @@ async fn publish_frame(
         ));
     }
     if let Err(r) = publish::check_channel_budget(state, identity, channel) {
-        state
-            .counters
-            .refused_forbidden
-            .fetch_add(1, Ordering::Relaxed);
         return refused(r);
     }
     // `ref` is ours, not the message's: take it out before parsing.
     let mut body: serde_json::Value = match serde_json::from_str(text) {
         Ok(v) => v,
+        Err(e) if publish::is_too_deep(&e) => return refused(publish::too_deep()),
         Err(e) => {
-            state
-                .counters
-                .refused_bad_request
-                .fetch_add(1, Ordering::Relaxed);
             return refused(Refusal::new(
                 StatusCode::BAD_REQUEST,
                 "invalid",
@@ -238,14 +340,6 @@ async fn publish_frame(
             let offsets: Vec<u64> = p.iter().map(|p| p.1).collect();
             serde_json::json!({"type": "published", "ref": reference, "ids": ids, "offsets": offsets})
         }
-        Err(r) => {
-            if r.status == StatusCode::BAD_REQUEST {
-                state
-                    .counters
-                    .refused_bad_request
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            refused(r)
-        }
+        Err(r) => refused(r),
     }
 }
