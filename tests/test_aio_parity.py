@@ -48,14 +48,16 @@ def test_every_sync_method_has_an_async_twin(sync_cls: type, async_cls: type) ->
             continue
         fn = getattr(async_cls, name)
         if name in ASYNC_ITERATORS:
-            if "AsyncIterator" not in str(inspect.signature(fn).return_annotation):
-                problems.append(f"{async_cls.__name__}.{name} should return an AsyncIterator")
+            # An AsyncGenerator (an AsyncIterator with aclose(), so that
+            # contextlib.aclosing() accepts it).
+            if "AsyncGenerator" not in str(inspect.signature(fn).return_annotation):
+                problems.append(f"{async_cls.__name__}.{name} should return an AsyncGenerator")
         elif not inspect.iscoroutinefunction(fn):
             problems.append(f"{async_cls.__name__}.{name} is not a coroutine function")
     assert not problems, "; ".join(problems)
 
 
 def test_async_classes_are_exported_at_the_top_level() -> None:
-    for name in ("AsyncMessenger", "AsyncEphemeralMessenger", "AsyncSubscription"):
+    for name in ("AsyncMessenger", "AsyncEphemeralMessenger", "AsyncSubscription", "MessageStream"):
         assert name in km.__all__
         assert getattr(km, name) is getattr(km.aio, name)

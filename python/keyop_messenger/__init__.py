@@ -101,6 +101,7 @@ __all__ = [
     "LatencyStats",
     "LogEntry",
     "Message",
+    "MessageStream",
     "MessageTooLargeError",
     "Messenger",
     "MetricsConfig",
@@ -127,7 +128,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .aio import AsyncEphemeralMessenger, AsyncMessenger, AsyncSubscription
+    from .aio import AsyncEphemeralMessenger, AsyncMessenger, AsyncSubscription, MessageStream
     from .ephemeral import EphemeralMessenger
     from .stats import (
         ChannelStats,
@@ -152,6 +153,7 @@ _LAZY = {
     "AsyncEphemeralMessenger": "aio",
     "AsyncMessenger": "aio",
     "AsyncSubscription": "aio",
+    "MessageStream": "aio",
     "EphemeralMessenger": "ephemeral",
     "ChannelStats": "stats",
     "FederationStats": "stats",

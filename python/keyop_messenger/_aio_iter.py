@@ -15,11 +15,11 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ._closing import CLOSE_TIMEOUT_S
+from ._closing import CLOSE_TIMEOUT_S, EXIT_GATE
 from .message import LogEntry, Message
 from .positions import Position
 
@@ -84,9 +84,19 @@ class _Feed:
                 loop.call_soon_threadsafe(self._put, slot)
             except RuntimeError:  # the loop closed in between
                 raise self._stop_here("its event loop is closed") from None
-            while not slot.done.wait(_LOOP_CHECK_S):
-                if loop.is_closed():
-                    raise self._stop_here("its event loop is closed")
+            # Registered with the exit gate: at interpreter exit this wait
+            # gives up, so the thread is back in the engine before Python
+            # finalizes (see _closing.ExitGate).
+            if not EXIT_GATE.enter(slot.done):
+                raise self._stop_here("the interpreter is exiting")
+            try:
+                while not slot.done.wait(_LOOP_CHECK_S):
+                    if loop.is_closed():
+                        raise self._stop_here("its event loop is closed")
+            finally:
+                EXIT_GATE.leave(slot.done)
+            if EXIT_GATE.exiting and not slot.acked:
+                raise self._stop_here("the interpreter is exiting")
             if not slot.acked:
                 raise self._stop_here("the loop body did not finish")
         finally:
@@ -140,6 +150,12 @@ class MessageStream:
         self._opened = False
         self._current: _Slot | None = None
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"cannot pickle {type(self).__name__!r} object: it is a running subscription "
+            "of this process"
+        )
+
     @property
     def max_outstanding(self) -> int:
         """Most messages the engine had handed over and not yet seen answered."""
@@ -186,10 +202,15 @@ class MessageStream:
     def _end(self, ack: bool) -> Subscription | None:
         """Ends the stream on the loop: answers the message in hand, wakes a
         waiting ``__anext__``; returns the subscription to close."""
-        if ack:
-            self._ack_current()
         feed = self._feed
         feed.ended = True
+        if feed.sub is not None:
+            # Before the message in hand is answered: the delivery thread it
+            # wakes must hand over no further message (that one would meet
+            # the ended stream and fail, logged as a handler failure).
+            feed.sub._deliverer.stop()
+        if ack:
+            self._ack_current()
         slot, self._current = self._current, None
         if slot is not None:
             slot.finish(False)
@@ -241,7 +262,7 @@ class MessageStream:
             self._owner._stream_closes[key] = self._owner._pool.submit(sub.close)
 
 
-async def read_entries(run: Any, fn: Any) -> AsyncIterator[LogEntry]:
+async def read_entries(run: Any, fn: Any) -> AsyncGenerator[LogEntry, None]:
     """Yields the entries of the iterator ``fn()`` returns, called and then
     drained ``_READ_CHUNK`` at a time through ``run`` (a worker thread)."""
     entries: Iterator[LogEntry] = await run(fn)

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
+import sys
+import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -82,3 +86,68 @@ class _SyncContext:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+#: Longest time the interpreter's exit waits for engine threads to leave Python.
+EXIT_WAIT_S = 2.0
+
+
+class ExitGate:
+    """Engine threads that wait in Python with the GIL released (the async
+    bridges waiting for a handler on an event loop, ``messages()`` waiting
+    for a loop body) register their wake-up event here.
+
+    A thread that takes the GIL back once the interpreter is finalizing is
+    ended by CPython in the middle of the engine's call (``pthread_exit``),
+    and unwinding the binding's GIL guard then aborts the process ("Fatal
+    Python error: PyGILState_Release"). So at exit (an ``atexit`` hook, run
+    while the GIL still works, after the messengers' own closing) every
+    registered wait is woken and told to give up, and the exit waits (at
+    most :data:`EXIT_WAIT_S`) until those threads are back in the engine,
+    with no Python frame left."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.exiting = False
+        self._waits: dict[threading.Event, int] = {}
+        #: Threads seen in a wait once exiting began (still in Python for a while).
+        self._seen: set[int] = set()
+
+    def enter(self, wake: threading.Event) -> bool:
+        """Registers the calling thread's wait on ``wake``; False (the caller
+        must give up at once) when the interpreter is exiting."""
+        ident = threading.get_ident()
+        with self._lock:
+            self._waits[wake] = ident
+            if self.exiting:
+                self._seen.add(ident)
+                return False
+            return True
+
+    def leave(self, wake: threading.Event) -> None:
+        """Ends the registration of ``enter``."""
+        with self._lock:
+            self._waits.pop(wake, None)
+
+    def release(self, timeout: float = EXIT_WAIT_S) -> None:
+        """Wakes every registered wait for good, then waits until their
+        threads have left Python (or ``timeout`` seconds)."""
+        with self._lock:
+            self.exiting = True
+            waits = list(self._waits.items())
+            self._seen.update(ident for _, ident in waits)
+        for wake, _ in waits:
+            wake.set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                busy = set(self._waits.values()) | self._seen
+            if not busy & set(sys._current_frames()):
+                return
+            time.sleep(0.005)  # releases the GIL: lets them run out
+
+
+EXIT_GATE = ExitGate()
+# Registered at import, before messenger.py registers its close of every open
+# messenger: atexit runs hooks last-in first-out, so this runs after them.
+atexit.register(EXIT_GATE.release)

@@ -34,14 +34,19 @@ How it works:
   schedules ``handler(msg)`` there with :func:`asyncio.run_coroutine_threadsafe`
   and waits for it, so a subscription handles one message at a time, in order,
   as in the sync API. Returning acknowledges; raising retries with backoff and
-  finally dead-letters, exactly as in the sync API. A plain (non-async)
-  function is accepted too; it is called on the loop.
+  finally dead-letters, exactly as in the sync API, whatever the exception
+  (``TimeoutError`` included; a ``CancelledError`` the handler raises while
+  its own task was not cancelled becomes :class:`HandlerCancelledError`). A
+  plain (non-async) function is accepted too; it is called on the loop.
+* Several event loops may use one object at once (one per thread): each
+  loop's publishes complete on that loop (a completer per loop).
 * If the event loop is closed (or shuts down, cancelling the handler's task)
   while a subscription is running, the message in hand is **not**
   acknowledged, not retried and not dead-lettered, and the subscription stops
   (a warning is logged): nothing is lost, the message is delivered again when
   the subscriber id subscribes next time. Close the messenger (``async with``)
-  before the loop ends to avoid this.
+  before the loop ends to avoid this. At interpreter exit, a handler call
+  still waited for is given up the same way (see ``_closing.ExitGate``).
 * ``service_name`` / ``correlation_id`` set with :func:`keyop_messenger.context`
   in the calling task are honoured (the task's context is carried to the pool).
 
@@ -50,8 +55,8 @@ the wait, not the publish: the message was handed to the engine when the call
 started and still commits (its id is simply not returned), so a retry after a
 cancellation can store the message twice: delivery is at-least-once, and
 consumers should be idempotent (e.g. by message id, or the application's own
-key). A ``publish_batch`` still queued for a pool thread when cancelled is not
-made.
+key). So does an ephemeral ``publish`` still queued for a pool thread. A
+``publish_batch`` still queued for a pool thread when cancelled is not made.
 ``open``/``close`` (and ``async with``) finish what they started even when
 cancelled, then re-raise :class:`asyncio.CancelledError`, so a cancelled task
 never leaves a data directory locked.
@@ -60,6 +65,7 @@ never leaves a data directory locked.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -67,15 +73,16 @@ import functools
 import inspect
 import logging
 import os
+import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from . import _core
 from ._aio_iter import MessageStream, read_entries
-from ._closing import CLOSE_TIMEOUT_S
+from ._closing import CLOSE_TIMEOUT_S, EXIT_GATE
 from .config import Config
 from .errors import ClosedError, ForkedProcessError, SubscriptionError
 from .message import Message
@@ -98,6 +105,8 @@ __all__ = [
     "AsyncMessenger",
     "AsyncSubscription",
     "EventLoopClosedError",
+    "HandlerCancelledError",
+    "MessageStream",
 ]
 
 log = logging.getLogger("keyop_messenger")
@@ -110,15 +119,17 @@ DEFAULT_WORKERS = 8
 #: Seconds between checks that the event loop still exists while a handler runs.
 _LOOP_CHECK_S = 0.25
 
-AsyncHandler = Callable[[Message], Awaitable[Any]]
-"""An ``async def handler(msg)``: returning acknowledges, raising means retry."""
+AsyncHandler = Callable[[Message], Any]
+"""A handler: an ``async def handler(msg)``, or a plain function (called on the
+loop); returning acknowledges, raising means retry."""
 
 ConfigLike = Config | Mapping[str, Any] | str | os.PathLike[str]
 
 # Set inside handler coroutines, so close() called from a handler does not wait
 # for that very handler (which would never finish).
-_IN_HANDLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "keyop_messenger_aio_in_handler", default=False
+# (The bridge whose handler runs: see _Bridge.run_here.)
+_IN_HANDLER: contextvars.ContextVar[_Bridge | None] = contextvars.ContextVar(
+    "keyop_messenger_aio_in_handler", default=None
 )
 
 
@@ -139,6 +150,13 @@ class EventLoopClosedError(RuntimeError):
     the subscription stops and the message stays unacknowledged."""
 
 
+def _consume(fut: asyncio.Future[Any]) -> None:
+    """Retrieves the outcome of a future nobody may await any more (no
+    "exception was never retrieved" warning)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def _finish(fut: asyncio.Future[T]) -> T:
     """Awaits ``fut`` to completion even if the awaiting task is cancelled
     meanwhile; then re-raises the cancellation (or returns the result)."""
@@ -155,6 +173,33 @@ async def _finish(fut: asyncio.Future[T]) -> T:
     return fut.result()
 
 
+class HandlerCancelledError(RuntimeError):
+    """What a handler that raised :class:`asyncio.CancelledError` without its
+    own task being cancelled (it awaited a task something else cancelled)
+    fails with: an ordinary handler failure, retried and then dead-lettered."""
+
+
+class _Call:
+    """One handler call in progress: the delivery thread waits on ``wake``,
+    set when the handler's future is done or a request is queued."""
+
+    __slots__ = ("requests", "wake")
+
+    def __init__(self) -> None:
+        self.wake = threading.Event()
+        self.requests: collections.deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = (
+            collections.deque()
+        )
+
+
+def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if not fut.done():
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+
 class _Bridge:
     """The sync handler given to the engine: runs ``handler(msg)`` on ``loop``
     and waits for its outcome on the calling (engine) thread."""
@@ -163,19 +208,35 @@ class _Bridge:
         self,
         handler: Callable[[Message], Any],
         loop: asyncio.AbstractEventLoop,
-        label: str,
+        channel: str,
+        subscriber_id: str | None,
     ) -> None:
         self._handler = handler
         self._loop = loop
-        self._label = label
-        self.subscription: AsyncSubscription | None = None
+        self.channel = channel
+        self.subscriber_id = subscriber_id
+        self._label = f"{channel}/{subscriber_id}" if subscriber_id else f"{channel} (ephemeral)"
+        # Weak: the engine holds this bridge, and a strong reference from it
+        # to the subscription (hence to the messenger) would keep an
+        # unclosed, dropped messenger and its data directory alive.
+        self.subscription: weakref.ref[AsyncSubscription] | None = None
         self.loop_gone = False
+        self._call: _Call | None = None
 
     async def _invoke(self, msg: Message) -> Any:
-        _IN_HANDLER.set(True)
-        result = self._handler(msg)
-        if inspect.isawaitable(result):
-            result = await result
+        _IN_HANDLER.set(self)
+        try:
+            result = self._handler(msg)
+            if inspect.isawaitable(result):
+                result = await result
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
+            if cancelling is None or cancelling():
+                raise  # this very task was cancelled (the loop shutting down)
+            raise HandlerCancelledError(
+                f"{self._label}: the handler raised CancelledError (its task was not cancelled)"
+            ) from exc
         return result
 
     def _abandon(self, why: str = "its event loop is closed") -> EventLoopClosedError:
@@ -190,32 +251,83 @@ class _Bridge:
                 self._label,
                 why,
             )
-            sub = self.subscription
+            sub = self.subscription() if self.subscription is not None else None
             if sub is not None:
                 sub._stop_from_engine_thread()
         return EventLoopClosedError(f"{self._label}: {why}")
+
+    def run_here(self, fn: Callable[[], T]) -> asyncio.Future[T] | None:
+        """Runs ``fn()`` on the delivery thread waiting for this bridge's
+        handler call (called from that handler, on the loop): the engine sees
+        a call from the handler itself, which it does not wait for. None when
+        no call is in progress."""
+        call = self._call
+        if call is None:
+            return None
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        call.requests.append((fn, fut))
+        call.wake.set()
+        return fut
+
+    def _serve(self, call: _Call, refuse: bool = False) -> None:
+        """Runs the requests of :meth:`run_here` (refuses them once the call ended)."""
+        while call.requests:
+            fn, fut = call.requests.popleft()
+            outcome: tuple[bool, Any]
+            if refuse:
+                outcome = (False, ClosedError(f"{self._label}: the handler call has ended"))
+            else:
+                try:
+                    outcome = (True, fn())
+                except Exception as exc:
+                    outcome = (False, exc)
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self._loop.call_soon_threadsafe(_settle, fut, *outcome)
 
     def __call__(self, msg: Message) -> Any:
         loop = self._loop
         if self.loop_gone or loop.is_closed():
             raise self._abandon()
+        if EXIT_GATE.exiting:
+            raise self._abandon("the interpreter is exiting")
+        call = self._call = _Call()  # before the handler starts: run_here needs it
         coro = self._invoke(msg)
         try:
             fut = asyncio.run_coroutine_threadsafe(coro, loop)
         except RuntimeError:  # the loop closed in between
+            self._call = None
             coro.close()
             raise self._abandon() from None
-        while True:
-            try:
-                return fut.result(timeout=_LOOP_CHECK_S)
-            except concurrent.futures.TimeoutError:
-                if loop.is_closed():
+        fut.add_done_callback(lambda _: call.wake.set())
+        # Waiting on an event rather than fut.result(timeout): the handler's
+        # own TimeoutError must not look like "still waiting" (it is the
+        # builtin TimeoutError since Python 3.11).
+        try:
+            if not EXIT_GATE.enter(call.wake):
+                fut.cancel()
+                raise self._abandon("the interpreter is exiting")
+            while True:
+                if not call.wake.wait(_LOOP_CHECK_S):
+                    if loop.is_closed():
+                        fut.cancel()
+                        raise self._abandon()
+                    continue
+                call.wake.clear()
+                self._serve(call)
+                if fut.done():
+                    break
+                if EXIT_GATE.exiting:
                     fut.cancel()
-                    raise self._abandon() from None
-            except concurrent.futures.CancelledError:
-                # Only the loop's shutdown (asyncio.run cancelling every task)
-                # cancels a handler's task: stop rather than retry/dead-letter.
-                raise self._abandon("its task was cancelled: event loop shutting down") from None
+                    raise self._abandon("the interpreter is exiting")
+        finally:
+            EXIT_GATE.leave(call.wake)
+            self._call = None
+            self._serve(call, refuse=True)
+        if fut.cancelled():
+            # Only the loop's shutdown (asyncio.run cancelling every task)
+            # cancels a handler's own task: stop rather than retry/dead-letter.
+            raise self._abandon("its task was cancelled: event loop shutting down")
+        return fut.result()
 
 
 class _AsyncContext:
@@ -224,6 +336,13 @@ class _AsyncContext:
 
     async def _enter(self) -> None:
         """Runs when the ``async with`` block is entered (nothing by default)."""
+
+    def __reduce__(self) -> Any:
+        # Threads, an event loop and open files do not travel: say so plainly.
+        raise TypeError(
+            f"cannot pickle {type(self).__name__!r} object: it holds threads and open "
+            "files of this process; pass its configuration instead"
+        )
 
     async def close(self) -> None:
         raise NotImplementedError
@@ -252,12 +371,18 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         self._sync: S | None = None
         self._types: list[tuple[str, type]] = []
         self._closed = False
-        self._opening: asyncio.Future[S] | None = None
+        self._opening: concurrent.futures.Future[S] | None = None
         self._pid = os.getpid()
         self._close_timeout = CLOSE_TIMEOUT_S
+        #: The completer publish used last (its loop, itself): the fast path.
         self._completer: tuple[asyncio.AbstractEventLoop, _core.Completer] | None = None
+        #: One completer per event loop that published (several loops may use
+        #: this object at once, each from its own thread).
+        self._completers: dict[asyncio.AbstractEventLoop, _core.Completer] = {}
+        self._completers_lock = threading.Lock()
         #: The close of the underlying object, once started.
         self._closing: concurrent.futures.Future[None] | None = None
+        self._subscriptions: set[AsyncSubscription] = set()
 
     # -- plumbing -----------------------------------------------------------
 
@@ -265,19 +390,44 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         """Runs ``fn`` on the pool with the calling task's context variables."""
         loop = asyncio.get_running_loop()
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        return loop.run_in_executor(self._pool, call)
+        try:
+            return loop.run_in_executor(self._pool, call)
+        except RuntimeError:  # "cannot schedule new futures after shutdown"
+            if self._closed:
+                raise ClosedError(f"{type(self).__name__} is closed") from None
+            raise
 
     async def _run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         return await self._submit(fn, *args, **kwargs)
 
     def _completer_of(self, loop: asyncio.AbstractEventLoop) -> _core.Completer:
         """The completer of ``loop`` (the running loop), made on first use;
-        the one of a previous loop is closed."""
-        if self._completer is None or self._completer[0] is not loop:
-            if self._completer is not None:
-                self._completer[1].close()
-            self._completer = (loop, _core.Completer(loop))
-        return self._completer[1]
+        those of loops closed since are closed."""
+        with self._completers_lock:
+            completer = self._completers.get(loop)
+            if completer is None:
+                for other in [lp for lp in self._completers if lp.is_closed()]:
+                    self._completers.pop(other).close()
+                completer = self._completers[loop] = _core.Completer(loop)
+        self._completer = (loop, completer)
+        return completer
+
+    def _close_completers(self) -> None:
+        """Every outcome is known once the messenger closed: each completer
+        hands the last ones over on its own loop, then stops watching."""
+        with self._completers_lock:
+            completers, self._completers = self._completers, {}
+        self._completer = None
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        for loop, completer in completers.items():
+            if loop is current or loop.is_closed():
+                completer.close()
+            else:  # another thread's loop: only it may complete its futures
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(completer.close)
 
     def _check_process(self) -> None:
         if _Process.pid != self._pid:  # the pool and the messenger are the parent's
@@ -319,12 +469,13 @@ class _AsyncBase(_AsyncContext, Generic[S]):
             raise ClosedError(f"{type(self).__name__} is closed")
         if self._sync is not None:
             return
-        if self._opening is not None:  # a concurrent open(): wait for it
-            await _finish(self._opening)
+        if self._opening is not None:  # a concurrent open() (of any loop): wait for it
+            await _finish(asyncio.wrap_future(self._opening))
             return
-        opening = self._opening = self._submit(self._make)
+        make = functools.partial(contextvars.copy_context().run, self._make)
+        opening = self._opening = self._pool.submit(make)
         try:
-            self._sync = await _finish(opening)
+            self._sync = await _finish(asyncio.wrap_future(opening))
         except asyncio.CancelledError:
             if opening.done() and not opening.cancelled() and opening.exception() is None:
                 await _finish(self._submit(self._close_sync, opening.result()))
@@ -367,10 +518,11 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         opening, sync = self._opening, self._sync
         if opening is not None:  # close() during open(): wait for it, then close
             with contextlib.suppress(Exception):
-                await _finish(opening)
+                await _finish(asyncio.wrap_future(opening))
             if opening.done() and not opening.cancelled() and opening.exception() is None:
                 sync = opening.result()
         self._sync = None
+        self._subscriptions.clear()
         if sync is None:
             self._pool.shutdown(wait=False)
             return
@@ -382,11 +534,7 @@ class _AsyncBase(_AsyncContext, Generic[S]):
             await _finish(asyncio.wrap_future(closing))
         finally:
             self._pool.shutdown(wait=False)
-            if self._completer is not None:
-                # Every outcome is known once the messenger closed: hand the
-                # last ones over, then stop watching.
-                self._completer[1].close()
-                self._completer = None
+            self._close_completers()
 
     # -- registration and publishing -----------------------------------------
 
@@ -427,7 +575,7 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         if sync is None or self._closed or _Process.pid != self._pid:
             sync = self._require()
         if not isinstance(sync, _core.MessengerBase):  # the ephemeral client waits for a hub
-            return await self._run(
+            sent = self._submit(
                 sync.publish,
                 channel,
                 payload_type,
@@ -435,6 +583,10 @@ class _AsyncBase(_AsyncContext, Generic[S]):
                 service_name=service_name,
                 correlation_id=correlation_id,
             )
+            # Shielded: a cancelled wait leaves the publish queued for its
+            # pool thread, so it is still made (as a durable publish).
+            sent.add_done_callback(_consume)
+            return await asyncio.shield(sent)
         loop = asyncio.get_running_loop()
         completer = self._completer
         if completer is None or completer[0] is not loop:
@@ -463,10 +615,20 @@ class _AsyncBase(_AsyncContext, Generic[S]):
             correlation_id=correlation_id,
         )
 
-    def _bridge(self, handler: Callable[[Message], Any], label: str) -> _Bridge:
+    def _bridge(
+        self, handler: Callable[[Message], Any], channel: str, subscriber_id: str | None
+    ) -> _Bridge:
         if not callable(handler):
             raise TypeError(f"handler must be callable, got {type(handler).__name__}")
-        return _Bridge(handler, asyncio.get_running_loop(), label)
+        return _Bridge(handler, asyncio.get_running_loop(), channel, subscriber_id)
+
+    def _track(self, sub: AsyncSubscription, bridge: _Bridge) -> AsyncSubscription:
+        """Links a new subscription to its bridge (weakly) and to this object
+        (strongly, so a subscription dropped by its caller can still be
+        stopped by its bridge)."""
+        bridge.subscription = weakref.ref(sub)
+        self._subscriptions.add(sub)
+        return sub
 
 
 class AsyncSubscription(_AsyncContext):
@@ -502,10 +664,24 @@ class AsyncSubscription(_AsyncContext):
         return not (self._closed or self._bridge.loop_gone)
 
     async def seek(self, position: Position) -> None:
-        """As :meth:`Subscription.seek` (not for an ephemeral subscription)."""
+        """As :meth:`Subscription.seek` (not for an ephemeral subscription).
+        Raises :class:`ClosedError` once it or its messenger is closed."""
         if self._sync is None:
             raise SubscriptionError("an ephemeral subscription has no position to seek")
+        if self._closed or self._owner._closed:
+            what = (
+                f"subscription {self._channel!r}/{self.subscriber_id!r}"
+                if self._closed
+                else type(self._owner).__name__
+            )
+            raise ClosedError(f"{what} is closed: seek() cannot be called")
         await self._owner._run(self._sync.seek, position)
+
+    def _matches(self, channel: str, subscriber_id: str) -> bool:
+        return self._sync is not None and (self._channel, self.subscriber_id) == (
+            channel,
+            subscriber_id,
+        )
 
     def _stop_from_engine_thread(self) -> None:
         if self._sync is not None:
@@ -520,6 +696,7 @@ class AsyncSubscription(_AsyncContext):
         if self._closed:
             return
         self._closed = True
+        self._owner._subscriptions.discard(self)
         self._bridge.loop_gone = True  # ephemeral: no further handler call
         sync = self._sync
         if sync is None or self._owner._closed or _Process.pid != self._owner._pid:
@@ -610,15 +787,13 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         ``start`` and ``reset`` choose where it starts, as there.
         """
         sync = self._require()
-        bridge = self._bridge(handler, f"{channel}/{subscriber_id}")
+        bridge = self._bridge(handler, channel, subscriber_id)
         core = await self._run(
             sync.subscribe, channel, subscriber_id, bridge, on_gap=on_gap,
             max_retries=max_retries, backoff=backoff, dead_letter=dead_letter,
             start=start, reset=reset,
         )  # fmt: skip
-        sub = AsyncSubscription(self, core, bridge, channel)
-        bridge.subscription = sub
-        return sub
+        return self._track(AsyncSubscription(self, core, bridge, channel), bridge)
 
     def messages(
         self,
@@ -641,14 +816,36 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         told from an exception, so that message is delivered again next time.
         Either way the subscription is closed. The engine's delivery thread
         waits for each body (the event loop never blocks), so at most one
-        message is handed over and unanswered at a time; ``buffer`` (>= 1)
-        bounds the queue between them. Closing the messenger ends the loop."""
+        message is handed over and unanswered at a time: there is no
+        read-ahead, and ``buffer`` (>= 1, the capacity of the queue between
+        the two) never fills beyond that one message, so it changes neither
+        memory nor throughput (it is accepted for compatibility). Closing the
+        messenger ends the loop."""
         self._require()
         return MessageStream(self, channel, subscriber_id, start=start, reset=reset, buffer=buffer)
 
     async def unsubscribe(self, channel: str, subscriber_id: str) -> None:
-        """As :meth:`Messenger.unsubscribe` (deletes the offset file)."""
-        await self._run(self._require().unsubscribe, channel, subscriber_id)
+        """As :meth:`Messenger.unsubscribe` (deletes the offset file). Awaited
+        from that subscription's own handler it does not wait for the handler
+        (as the sync call made from its handler)."""
+        sync = self._require()
+        for sub in [s for s in self._subscriptions if s._matches(channel, subscriber_id)]:
+            sub._closed = True  # as the sync Subscription: stopped for good
+            self._subscriptions.discard(sub)
+        bridge = _IN_HANDLER.get()
+        if bridge is not None and (bridge.channel, bridge.subscriber_id) == (
+            channel,
+            subscriber_id,
+        ):
+            own = bridge.subscription() if bridge.subscription is not None else None
+            if own is not None and own._owner is self:
+                # On the delivery thread waiting for this very handler: the
+                # engine then stops the subscription without waiting for it.
+                done = bridge.run_here(functools.partial(sync.unsubscribe, channel, subscriber_id))
+                if done is not None:
+                    await done
+                    return
+        await self._run(sync.unsubscribe, channel, subscriber_id)
 
     async def stats(self) -> Stats:
         """As :meth:`Messenger.stats`."""
@@ -690,7 +887,7 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         since: Position | None = None,
         until: Position | None = None,
         limit: int | None = None,
-    ) -> AsyncIterator[LogEntry]:
+    ) -> AsyncGenerator[LogEntry, None]:
         """``async for entry in am.read_channel(channel, ...)``: as
         :meth:`Messenger.read_channel` (same keywords and errors, raised at
         the first ``__anext__``), reading on a worker thread in chunks."""
@@ -770,7 +967,7 @@ class AsyncEphemeralMessenger(_AsyncBase["EphemeralMessenger"]):
         every live message of ``channel`` (which must be in the hub entry's
         ``subscribe`` list). There is no retry: an exception is logged."""
         sync = self._require()
-        bridge = self._bridge(handler, f"{channel} (ephemeral)")
+        bridge = self._bridge(handler, channel, None)
 
         def gated(msg: Message) -> None:
             if bridge.loop_gone:
@@ -778,9 +975,7 @@ class AsyncEphemeralMessenger(_AsyncBase["EphemeralMessenger"]):
             bridge(msg)
 
         sync.subscribe(channel, gated)  # does not block: it only adds the handler
-        sub = AsyncSubscription(self, None, bridge, channel)
-        bridge.subscription = sub
-        return sub
+        return self._track(AsyncSubscription(self, None, bridge, channel), bridge)
 
     def status(self) -> dict[str, Any]:
         """As :meth:`EphemeralMessenger.status` (non-blocking)."""
