@@ -510,6 +510,17 @@ def test_acknowledgements_sent_before_a_batch_acknowledge_nothing(
         again.send_text(ack_of(cmd))
 
 
+def test_pings_before_the_handshake_are_answered(hub: Hub, pki: PKI) -> None:
+    """Control frames may come at any point (RFC 6455): a ping before the
+    handshake is answered and the handshake read after it (it ended the
+    connection)."""
+    with RawPeer(hub.port, pki["node1"], pki.ca) as raw:
+        raw.send_frame(fed_helpers.OP_PING, b"early")
+        assert raw._read_frame() == (True, fed_helpers.OP_PONG, b"early")
+        assert raw.handshake("node1") == HUB_HANDSHAKE
+    hub.assert_serves_good_peer()
+
+
 @pytest.mark.parametrize("text", ["[1,2,3]", "not json", '"ack"'])
 def test_an_acknowledgement_that_is_not_a_json_object_ends_the_connection(
     hub: Hub, pki: PKI, text: str

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::{SinkExt, StreamExt};
+use futures_util::SinkExt;
 use rustls::pki_types::ServerName;
 use rustls::ClientConfig;
 use tokio::net::TcpStream;
@@ -180,7 +180,7 @@ pub(crate) async fn connect_once(
         ws.send(Message::Text(hello.into()))
             .await
             .map_err(|e| DialError::Failed(e.to_string()))?;
-        match ws.next().await {
+        match link::next_data(&mut ws).await {
             Some(Ok(Message::Text(t))) => {
                 let welcome = Handshake::decode(t.as_str())
                     .map_err(|e| DialError::Failed(format!("bad hub handshake: {e}")))?;

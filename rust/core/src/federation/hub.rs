@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use futures_util::{SinkExt, StreamExt};
+use futures_util::SinkExt;
 use rustls::ServerConfig;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
@@ -447,7 +447,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         let mut ws = tokio_tungstenite::accept_async_with_config(tls, Some(ws_cfg))
             .await
             .map_err(|e| (OpeningFailure::Websocket, format!("WebSocket upgrade: {e}")))?;
-        let first = ws.next().await;
+        let first = link::next_data(&mut ws).await;
         let hello = match first {
             Some(Ok(Message::Text(t))) => Handshake::decode(t.as_str()).map_err(|e| {
                 (

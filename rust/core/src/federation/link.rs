@@ -160,6 +160,24 @@ pub struct Inbound {
     pub report_refusals: bool,
 }
 
+/// The next message of `ws` that is not a ping or a pong (answered or
+/// ignored by the WebSocket layer): a peer may send them before its
+/// handshake (RFC 6455 allows control frames at any point). The caller's
+/// handshake timeout bounds how many.
+pub async fn next_data<S>(
+    ws: &mut WebSocketStream<S>,
+) -> Option<Result<Message, tokio_tungstenite::tungstenite::Error>>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    loop {
+        match ws.next().await {
+            Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+            other => return other,
+        }
+    }
+}
+
 /// Runs a connection until it fails, the peer goes away, or `cancel` fires.
 /// Returns the reason it ended (for the audit log), or `None` on cancel.
 pub async fn run<S>(
