@@ -1107,3 +1107,26 @@ def test_offset_ttl_zero_keeps_offsets(open_messenger: Callable[..., Messenger])
     report = m.compact()
     assert "ch" not in report or report["ch"][2] == []
     assert offset_file(m, "ch", "old").exists()
+
+
+@pytest.mark.parametrize("legacy", ["with space", "a:b", "zähler"])
+def test_a_1_4_subscriber_id_this_version_refuses_can_be_unsubscribed(
+    messenger: Messenger, legacy: str
+) -> None:
+    # 1.4 took any string as a subscriber id; such an offset file holds back
+    # retention, and it could not be removed: unsubscribe removes it now. It
+    # still cannot be subscribed, and an id with no offset file stays refused.
+    messenger.publish("ch", "t", 1)
+    offsets = Path(messenger.config.storage.data_dir) / "subscribers" / "ch"
+    offsets.mkdir(parents=True, exist_ok=True)
+    (offsets / f"{legacy}.offset").write_text("0\n")
+    with pytest.raises(InvalidNameError):
+        messenger.subscribe("ch", legacy, Recorder())
+    messenger.unsubscribe("ch", legacy)
+    assert not (offsets / f"{legacy}.offset").exists()
+    with pytest.raises(InvalidNameError):
+        messenger.unsubscribe("ch", legacy)
+    (offsets / "fed-x y.offset").write_text("0\n")
+    with pytest.raises(InvalidNameError):
+        messenger.unsubscribe("ch", "fed-x y")  # a federation cursor's name
+    assert (offsets / "fed-x y.offset").exists()

@@ -866,7 +866,22 @@ impl Engine {
     pub fn unsubscribe(&self, channel: &str, id: &str) -> Result<(), Error> {
         self.check_open()?;
         validate_name(NameKind::Channel, channel)?;
-        validate_name(NameKind::SubscriberId, id)?;
+        let dir = subscribers_dir(self.store.data_dir(), channel);
+        if let Err(e) = validate_name(NameKind::SubscriberId, id) {
+            // 1.4 took any string as an id: one this version refuses (a
+            // space, a ':', a non-ASCII letter) may name an offset file that
+            // holds back retention. Removing it is allowed when the id is a
+            // plain file name (no path) and not a federation cursor's.
+            let plain = !id.is_empty()
+                && id != "."
+                && id != ".."
+                && !id.contains(['/', '\0'])
+                && !id.starts_with(crate::envelope::FED_CURSOR_PREFIX)
+                && !id.starts_with(crate::envelope::HUB_CURSOR_PREFIX);
+            if !(plain && offset_path(&dir, id).is_file()) {
+                return Err(e.into());
+            }
+        }
         // Its thread must write no offset after the file is deleted: not
         // even when this is called from its own handler (the stop cannot
         // wait for that call) or the handler outlasts the stop's wait.
@@ -876,7 +891,7 @@ impl Engine {
             s.forget_offset();
             s.stop();
         }
-        let path = offset_path(&subscribers_dir(self.store.data_dir(), channel), id);
+        let path = offset_path(&dir, id);
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && was_running => Ok(()),
