@@ -244,6 +244,21 @@ def test_read_channel_start_offset_is_checked_like_every_position(
         messenger.read_channel("nowhere", start_offset=0)
 
 
+def test_positions_beyond_64_bits_are_config_errors_or_bounds(messenger: Messenger) -> None:
+    # An offset no channel reaches is a ConfigError (an OverflowError before);
+    # a time beyond the engine's 64-bit nanoseconds is before/after every record.
+    publish(messenger, range(3))
+    with pytest.raises(ConfigError, match="beyond any byte offset"):
+        messenger.subscribe(CH, "s", lambda _m: None, start=2**70)
+    with pytest.raises(ConfigError, match="beyond any byte offset"):
+        messenger.read_channel(CH, since=2**63)
+    utc = datetime.timezone.utc
+    late = messenger.read_channel(CH, since=datetime.datetime(9999, 1, 1, tzinfo=utc))
+    assert list(late) == []
+    early = messenger.read_channel(CH, since=datetime.datetime(1, 1, 1, tzinfo=utc))
+    assert [e.message.payload["n"] for e in early] == [0, 1, 2]
+
+
 def test_async_subscribe_start_and_seek(tmp_path: Path) -> None:
     async def main() -> list[int]:
         seen: list[int] = []

@@ -33,10 +33,17 @@ def to_core(position: Position, what: str = "start") -> tuple[str, int]:
                 "datetime.now(timezone.utc) or dt.replace(tzinfo=timezone.utc)"
             )
         delta = position - _EPOCH
-        return "time", delta // datetime.timedelta(microseconds=1) * 1000
+        ns = delta // datetime.timedelta(microseconds=1) * 1000
+        # The engine counts nanoseconds in 64 bits (years 1677-2262): a time
+        # beyond is before (after) every record, as the bound is.
+        return "time", min(max(ns, -(2**63)), 2**63 - 1)
     if isinstance(position, int) and not isinstance(position, bool):
         if position < 0:
             raise ConfigError(f"{what}={position} is negative; byte offsets start at 0")
+        if position >= 2**63:
+            raise ConfigError(
+                f"{what}={position} is beyond any byte offset a channel reaches (2**63 - 1)"
+            )
         return "offset", position
     raise ConfigError(
         f"{what}={position!r} is not a position; use 'earliest', 'latest', an int byte "
