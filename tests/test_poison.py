@@ -220,3 +220,31 @@ def test_spark_partition_read_goes_past_unreadable_records(poisoned: Config) -> 
     batches = list(_read_partition(data_dir, CH, partition, schema))
     payloads = [json.loads(p) for b in batches for p in b.column("payload").to_pylist()]
     assert payloads == [{"n": 1}, {"n": 3}, {"n": 4}]
+
+
+def test_a_line_over_the_record_limit_is_quarantined_and_dead_lettered(tmp_path: Path) -> None:
+    # 1.4 writers do not bound what they append; a line over 10 MiB is never
+    # read whole: it is copied aside (streamed), readers go past it, and a
+    # subscriber dead-letters it naming the copy (it was only logged).
+    config = make_config(tmp_path)
+    data_dir = Path(config.storage.data_dir)
+    with Messenger(config) as m:
+        m.publish(CH, "t", {"n": 1})
+    huge = envelope("huge", json.dumps("x" * (10 * 1024 * 1024 + 100)))
+    append_raw(data_dir, CH, [huge, envelope("after", '{"n":2}')])
+    at = len(active_segment(data_dir, CH).read_bytes().split(b"\n")[0]) + 1
+    assert payloads(read_channel(data_dir, CH)) == [{"n": 1}, {"n": 2}]
+    copy = data_dir / "quarantine" / CH / f"{at:020d}.jsonl"
+    assert copy.read_bytes() == huge.encode() + b"\n"
+    got: list[Any] = []
+    with Messenger(config) as m:
+        m.subscribe(CH, "s", lambda msg: got.append(msg.payload), start="earliest")
+        wait_until("the neighbours", lambda: len(got) == 2)
+        wait_until("the dead letter", lambda: DL in [c.name for c in m.stats().channels])
+        wait_until("the dead letter", lambda: list(m.read_channel(DL)))
+        (letter,) = [e.message.payload for e in m.read_channel(DL)]
+    assert got == [{"n": 1}, {"n": 2}]
+    assert letter["original"] is None
+    assert (letter["offset"], letter["original_bytes"]) == (at, len(huge))
+    assert letter["quarantine_file"] == f"quarantine/{CH}/{at:020d}.jsonl"
+    assert "over the record limit" in letter["last_error"]

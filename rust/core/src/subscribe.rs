@@ -670,6 +670,19 @@ impl<H: Handler> Worker<H> {
                         src.seek(next);
                     }
                 }
+                Fetched::Other(Item::Oversize {
+                    offset,
+                    segment,
+                    len,
+                }) => {
+                    if let Err(err) = self.oversize(offset, segment, len) {
+                        src.seek(offset);
+                        return Err(io::Error::other(format!(
+                            "cannot dead-letter the oversized record at offset {offset}: {err}"
+                        )));
+                    }
+                    self.ack(offset + len);
+                }
                 Fetched::Other(item) => {
                     if let Item::Gap { from, to } = item {
                         report_gap(
@@ -979,6 +992,56 @@ impl<H: Handler> Worker<H> {
         envelope::push_json_str(&mut payload, stamp.ts());
         payload.push(b'}');
         self.append_dead_letter(&stamp, origin.unwrap_or(""), &payload)
+    }
+
+    /// Dead-letters the line of `len` bytes (with its line feed) at `offset`
+    /// of the segment starting at `segment`, over the record limit (1.4
+    /// writers do not bound what they append): its copy in the quarantine
+    /// directory (made here if the reader could not) is named by the dead
+    /// letter (`original` null, `original_bytes`, `quarantine_file`), as for
+    /// an unreadable record. A dead-letter channel's are only quarantined.
+    fn oversize(&self, offset: u64, segment: u64, len: u64) -> Result<(), crate::StorageError> {
+        if self.channel.ends_with(DEAD_LETTER_SUFFIX) {
+            return Ok(());
+        }
+        let data_dir = channel_data_dir(self.writer.dir());
+        let src = quarantine::Source::Range {
+            segment: &segment::segment_path(self.writer.dir(), segment),
+            at: offset - segment,
+            len: len - 1,
+        };
+        quarantine::copy_from(data_dir, &self.channel, offset, &src).map_err(|e| {
+            crate::StorageError::Io {
+                context: format!(
+                    "channel {:?}: copying the oversized record at offset {offset} aside",
+                    self.channel
+                ),
+                source: Arc::new(e),
+            }
+        })?;
+        let stamp = Stamp::now();
+        let copy = quarantine::quarantine_path(Path::new(""), &self.channel, offset);
+        let mut payload = Vec::with_capacity(256);
+        payload.extend_from_slice(
+            format!(
+                "{{\"original\":null,\"original_bytes\":{},\"offset\":{offset}",
+                len - 1
+            )
+            .as_bytes(),
+        );
+        payload.extend_from_slice(b",\"quarantine_file\":");
+        envelope::push_json_str(&mut payload, &copy.to_string_lossy());
+        payload.extend_from_slice(b",\"retries\":0,\"last_error\":");
+        let why = format!(
+            "a {}-byte record is over the record limit ({})",
+            len - 1,
+            envelope::MAX_RECORD_BYTES
+        );
+        envelope::push_json_str(&mut payload, &why);
+        payload.extend_from_slice(b",\"failed_at\":");
+        envelope::push_json_str(&mut payload, stamp.ts());
+        payload.push(b'}');
+        self.append_dead_letter(&stamp, "", &payload)
     }
 
     /// Writes the acknowledged offset if it moved and the flush interval

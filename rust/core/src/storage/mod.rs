@@ -341,5 +341,5 @@ impl Shared {
 
 /// `data_dir/channels/<channel>` (the name must already be validated).
 pub fn channel_dir(data_dir: &Path, channel: &str) -> PathBuf {
-    data_dir.join("channels").join(channel)
+    data_dir.join(segment::CHANNELS_DIR).join(channel)
 }

@@ -67,13 +67,59 @@ pub fn quarantine_path(data_dir: &Path, channel: &str, offset: u64) -> PathBuf {
     quarantine_dir(data_dir, channel).join(format!("{offset:020}.jsonl"))
 }
 
+/// Where the bytes of a record to quarantine are.
+pub enum Source<'a> {
+    /// The record (without its line feed), in memory.
+    Bytes(&'a [u8]),
+    /// `len` bytes (without the line feed) at `at` of the segment file
+    /// `segment`: a line over the record limit, never read whole.
+    Range {
+        segment: &'a Path,
+        at: u64,
+        len: u64,
+    },
+}
+
+impl Source<'_> {
+    fn len(&self) -> u64 {
+        match self {
+            Source::Bytes(b) => b.len() as u64,
+            Source::Range { len, .. } => *len,
+        }
+    }
+
+    fn write_to(&self, out: &mut impl Write) -> io::Result<()> {
+        match self {
+            Source::Bytes(b) => out.write_all(b),
+            Source::Range { segment, at, len } => {
+                use std::io::{Read, Seek, SeekFrom};
+                let mut f = std::fs::File::open(segment)?;
+                f.seek(SeekFrom::Start(*at))?;
+                let copied = io::copy(&mut f.take(*len), out)?;
+                if copied < *len {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("{} ended {} bytes early", segment.display(), len - copied),
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Quarantines the unreadable record `bytes` at `offset` of `channel`: the
 /// first time, copies it aside, counts it and logs it (WARNING, with the
 /// channel, offset, reason and copy); later calls for the same record do
 /// nothing. A copy that cannot be written is logged; the reader goes on.
 pub fn quarantine(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8], reason: &str) {
+    quarantine_from(data_dir, channel, offset, Source::Bytes(bytes), reason);
+}
+
+/// [`quarantine`] of a record wherever it is ([`Source`]).
+pub fn quarantine_from(data_dir: &Path, channel: &str, offset: u64, src: Source<'_>, reason: &str) {
     let path = quarantine_path(data_dir, channel, offset);
-    match copy_aside(data_dir, channel, offset, bytes) {
+    match copy_from(data_dir, channel, offset, &src) {
         Ok(false) => {
             log::debug!("channel {channel:?}: record at offset {offset} was already quarantined")
         }
@@ -82,7 +128,7 @@ pub fn quarantine(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8], rea
             log::warn!(
                 "channel {channel:?}: quarantined the unreadable record at offset {offset} \
                  ({} bytes): {reason}; copy in {}",
-                bytes.len(),
+                src.len(),
                 path.display()
             );
         }
@@ -106,6 +152,16 @@ pub fn quarantine(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8], rea
 /// entry; false when a copy was there already. Written under a temporary
 /// name and renamed, so a copy found is always whole.
 pub fn copy_aside(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8]) -> io::Result<bool> {
+    copy_from(data_dir, channel, offset, &Source::Bytes(bytes))
+}
+
+/// [`copy_aside`] of a record wherever it is ([`Source`]).
+pub fn copy_from(
+    data_dir: &Path,
+    channel: &str,
+    offset: u64,
+    src: &Source<'_>,
+) -> io::Result<bool> {
     let path = quarantine_path(data_dir, channel, offset);
     if path.exists() {
         return Ok(false);
@@ -120,7 +176,7 @@ pub fn copy_aside(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8]) -> 
         .create(true)
         .truncate(true)
         .open(&tmp)?;
-    f.write_all(bytes)?;
+    src.write_to(&mut f)?;
     f.write_all(b"\n")?;
     f.sync_all()?;
     std::fs::rename(&tmp, &path)?;

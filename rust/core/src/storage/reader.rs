@@ -14,6 +14,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::fdpool::{PooledFile, NO_OWNER};
+use super::quarantine::{quarantine_from, Source};
 use super::segment;
 use crate::envelope::MAX_RECORD_BYTES;
 
@@ -265,11 +266,7 @@ impl LogReader {
                         self.open = None;
                         return Ok(None);
                     }
-                    log::warn!(
-                        "{}: skipped a {len}-byte record at offset {} (limit {MAX_RECORD_BYTES})",
-                        self.dir.display(),
-                        self.pos
-                    );
+                    self.quarantine_oversize(start, len);
                     self.pos = item.next_offset();
                     return Ok(Some(item));
                 }
@@ -308,6 +305,35 @@ impl LogReader {
                     }
                 }
             }
+        }
+    }
+}
+
+impl LogReader {
+    /// Copies the line of `len` bytes (with its line feed) at the reader's
+    /// position, over the record limit, to the quarantine directory (as an
+    /// unreadable record: counted, logged once, every reader goes past it).
+    /// Only logged for a directory not inside a data directory's `channels/`.
+    fn quarantine_oversize(&self, segment_start: u64, len: u64) {
+        let reason = format!("a {len}-byte line is over the record limit ({MAX_RECORD_BYTES})");
+        let parent = self.dir.parent();
+        let inside = parent.and_then(Path::file_name) == Some(segment::CHANNELS_DIR.as_ref());
+        let data_dir = parent.and_then(Path::parent);
+        let channel = self.dir.file_name().and_then(|n| n.to_str());
+        match (inside, data_dir, channel) {
+            (true, Some(data_dir), Some(channel)) => {
+                let src = Source::Range {
+                    segment: &segment::segment_path(&self.dir, segment_start),
+                    at: self.pos - segment_start,
+                    len: len - 1,
+                };
+                quarantine_from(data_dir, channel, self.pos, src, &reason);
+            }
+            _ => log::warn!(
+                "{}: skipped at offset {}: {reason}",
+                self.dir.display(),
+                self.pos
+            ),
         }
     }
 }

@@ -18,6 +18,9 @@ pub fn segment_name(start: u64) -> String {
     format!("{start:0width$}{SEGMENT_EXT}", width = SEGMENT_NAME_DIGITS)
 }
 
+/// The directory of a data directory that holds one directory per channel.
+pub const CHANNELS_DIR: &str = "channels";
+
 /// Parses a segment file name back into its start offset. Like the original,
 /// any `<signed 64-bit decimal>.jsonl` counts; negative starts are ignored.
 pub fn parse_segment_name(name: &str) -> Option<u64> {
