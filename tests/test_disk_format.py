@@ -359,3 +359,21 @@ def test_lone_surrogate_escapes_and_array_lines_as_go_reads_them(tmp_path: Path)
             time.sleep(0.01)
         sub.close()
     assert got == [{"text": "\ud800 half", "n": 1}], "delivered once, surrogate kept"
+
+
+def test_a_1_4_channel_directory_with_a_name_this_version_refuses_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 1.4 hubs stored channels named by peers without checking the name: such
+    # a directory is not read (stats leaves it out); it is said so once.
+    config = make_config(tmp_path)
+    data_dir = Path(config.storage.data_dir)
+    odd = data_dir / "channels" / "with space"
+    odd.mkdir(parents=True)
+    (odd / f"{0:020d}.jsonl").write_text("")
+    with Messenger(config) as m:
+        m.publish("fine", "t", 1)
+        for _ in range(3):
+            assert [c.name for c in m.stats().channels] == ["fine"]
+    said = [r.getMessage() for r in caplog.records if "with space" in r.getMessage()]
+    assert len(said) == 1 and "not a channel this version reads" in said[0], said

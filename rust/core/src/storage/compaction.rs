@@ -23,7 +23,7 @@ use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 use super::offsets::{list_offsets, read_offset, subscribers_dir};
-use super::segment::{list_segments, segment_path, sync_dir};
+use super::segment::{list_segments, segment_path, sync_dir, CHANNELS_DIR};
 use super::testhook;
 use crate::envelope::{validate_name, NameKind, FED_CURSOR_PREFIX, HUB_CURSOR_PREFIX};
 
@@ -163,18 +163,37 @@ pub fn compact_channel(
     Ok(report)
 }
 
-/// Names of every channel directory under `data_dir/channels` with a valid name.
+/// Names of every channel directory under `data_dir/channels` with a valid
+/// name. A directory whose name is not one (1.4 stored channels named by
+/// peers without checking them) is logged once per process: it is neither
+/// read nor compacted.
 pub fn list_channels(data_dir: &Path) -> io::Result<Vec<String>> {
+    static WARNED: std::sync::Mutex<std::collections::BTreeSet<std::path::PathBuf>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
     let mut out = Vec::new();
-    for entry in fs::read_dir(data_dir.join("channels"))? {
+    for entry in fs::read_dir(data_dir.join(CHANNELS_DIR))? {
         let entry = entry?;
         if !entry.file_type()?.is_dir() {
             continue;
         }
-        if let Some(name) = entry.file_name().to_str() {
-            if validate_name(NameKind::Channel, name).is_ok() {
-                out.push(name.to_owned());
-            }
+        let name = entry.file_name();
+        let refused = match name.to_str() {
+            Some(name) => match validate_name(NameKind::Channel, name) {
+                Ok(()) => {
+                    out.push(name.to_owned());
+                    continue;
+                }
+                Err(e) => e.to_string(),
+            },
+            None => "its name is not UTF-8".to_owned(),
+        };
+        let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+        if warned.insert(entry.path()) {
+            log::warn!(
+                "{}: not a channel this version reads or compacts ({refused}); a 1.4 hub \
+                 may have stored it for a peer (docs/compatibility.md)",
+                entry.path().display()
+            );
         }
     }
     out.sort();
