@@ -155,13 +155,18 @@ pub fn copy_aside(data_dir: &Path, channel: &str, offset: u64, bytes: &[u8]) -> 
     copy_from(data_dir, channel, offset, &Source::Bytes(bytes))
 }
 
-/// [`copy_aside`] of a record wherever it is ([`Source`]).
+/// [`copy_aside`] of a record wherever it is ([`Source`]). Readers of one
+/// channel (subscribers, `read_channel`, federation) meet an unreadable
+/// record at the same time: each writes its own temporary file and links it
+/// to the copy's name, which only one can do (`false` for the others), so a
+/// copy found is always whole and each record is counted once.
 pub fn copy_from(
     data_dir: &Path,
     channel: &str,
     offset: u64,
     src: &Source<'_>,
 ) -> io::Result<bool> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     let path = quarantine_path(data_dir, channel, offset);
     if path.exists() {
         return Ok(false);
@@ -169,19 +174,33 @@ pub fn copy_from(
     let dir = quarantine_dir(data_dir, channel);
     segment::create_dir_all(&dir)?;
     let mut tmp = path.clone().into_os_string();
-    tmp.push(".tmp");
+    tmp.push(format!(
+        ".{}-{}.tmp",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
     let tmp = PathBuf::from(tmp);
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)?;
-    src.write_to(&mut f)?;
-    f.write_all(b"\n")?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, &path)?;
-    segment::sync_dir(&dir)?;
-    Ok(true)
+    let written = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        src.write_to(&mut f)?;
+        f.write_all(b"\n")?;
+        f.sync_all()?;
+        match std::fs::hard_link(&tmp, &path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+            // A file system without hard links: a rename (the last whole copy wins).
+            Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                std::fs::rename(&tmp, &path).map(|()| true)
+            }
+            Err(e) => Err(e),
+        }
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    if written? {
+        segment::sync_dir(&dir)?;
+        return Ok(true);
+    }
+    Ok(false)
 }
 
 /// Decodes a stored line with the reader rules and the payload-depth rule
@@ -219,6 +238,31 @@ pub fn split_point(line: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Readers copying one record at once: one copy, whole, made by one of
+    /// them; no temporary file left.
+    #[test]
+    fn concurrent_copies_of_one_record_make_one_whole_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let record = vec![b'x'; 256 * 1024];
+        let made: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| copy_aside(dir.path(), "ch", 148, &record).unwrap()))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| usize::from(h.join().unwrap()))
+                .sum()
+        });
+        assert_eq!(made, 1);
+        let copy = std::fs::read(quarantine_path(dir.path(), "ch", 148)).unwrap();
+        assert_eq!(copy.len(), record.len() + 1);
+        let names: Vec<_> = std::fs::read_dir(quarantine_dir(dir.path(), "ch"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+    }
 
     #[test]
     fn split_finds_a_valid_record_after_garbage() {
