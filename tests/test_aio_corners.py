@@ -325,6 +325,42 @@ def test_unsubscribe_from_its_own_handler_does_not_wait_for_it(
     assert not [r for r in caplog.records if "did not return" in r.getMessage()]
 
 
+def test_a_task_a_handler_spawned_is_not_the_handler(tmp_path: Path) -> None:
+    """A task spawned by a handler inherits its context but is not the
+    handler: its close() waits until the directory is released (it returned
+    at once, as a handler's must), and its unsubscribe of the handler's own
+    subscription, after the handler returned, is done."""
+    results: list[object] = []
+
+    async def main() -> None:
+        m = AsyncMessenger(make_config(tmp_path))
+        await m.open()
+        spawned: list[asyncio.Task[None]] = []
+
+        async def later() -> None:
+            await m.unsubscribe("ch", "s")
+            results.append("unsubscribed")
+            await m.close()
+            # Released once close() returns: another messenger may open it.
+            with Messenger(make_config(tmp_path)):
+                results.append("reopened")
+
+        async def handler(msg: Message) -> None:
+            spawned.append(asyncio.create_task(later()))
+
+        await m.subscribe("ch", "s", handler)
+        await m.publish("ch", "t", 1)
+        for _ in range(int(WAIT_S / 0.02)):
+            if spawned:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(spawned[0], WAIT_S)
+
+    asyncio.run(main())
+    assert results == ["unsubscribed", "reopened"]
+    assert not (tmp_path / "data" / "subscribers" / "ch" / "s.offset").exists()
+
+
 # -- ephemeral publish cancelled while queued ------------------------------------
 
 

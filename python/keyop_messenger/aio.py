@@ -181,15 +181,33 @@ class HandlerCancelledError(RuntimeError):
 
 class _Call:
     """One handler call in progress: the delivery thread waits on ``wake``,
-    set when the handler's future is done or a request is queued."""
+    set when the handler's future is done or a request is queued. ``task``
+    is the handler's own task; ``ended`` (under ``lock``) once the delivery
+    thread has taken the last requests."""
 
-    __slots__ = ("requests", "wake")
+    __slots__ = ("ended", "lock", "requests", "task", "wake")
 
     def __init__(self) -> None:
         self.wake = threading.Event()
+        self.lock = threading.Lock()
+        self.ended = False
+        self.task: asyncio.Task[Any] | None = None
         self.requests: collections.deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = (
             collections.deque()
         )
+
+
+def _own_bridge() -> _Bridge | None:
+    """The bridge whose handler is running in the current task, if any. A
+    task the handler spawned inherits the context but is not the handler:
+    it gets None (as the handler's own task does once its call has ended)."""
+    bridge = _IN_HANDLER.get()
+    if bridge is None:
+        return None
+    call = bridge._call
+    if call is None or call.task is None or call.task is not asyncio.current_task():
+        return None
+    return bridge
 
 
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -225,6 +243,9 @@ class _Bridge:
 
     async def _invoke(self, msg: Message) -> Any:
         _IN_HANDLER.set(self)
+        call = self._call
+        if call is not None:
+            call.task = asyncio.current_task()
         try:
             result = self._handler(msg)
             if inspect.isawaitable(result):
@@ -265,22 +286,22 @@ class _Bridge:
         if call is None:
             return None
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        call.requests.append((fn, fut))
+        with call.lock:
+            if call.ended:
+                return None
+            call.requests.append((fn, fut))
         call.wake.set()
         return fut
 
-    def _serve(self, call: _Call, refuse: bool = False) -> None:
-        """Runs the requests of :meth:`run_here` (refuses them once the call ended)."""
+    def _serve(self, call: _Call) -> None:
+        """Runs the requests of :meth:`run_here` queued so far."""
         while call.requests:
             fn, fut = call.requests.popleft()
             outcome: tuple[bool, Any]
-            if refuse:
-                outcome = (False, ClosedError(f"{self._label}: the handler call has ended"))
-            else:
-                try:
-                    outcome = (True, fn())
-                except Exception as exc:
-                    outcome = (False, exc)
+            try:
+                outcome = (True, fn())
+            except Exception as exc:
+                outcome = (False, exc)
             with contextlib.suppress(RuntimeError):  # the loop is closed
                 self._loop.call_soon_threadsafe(_settle, fut, *outcome)
 
@@ -321,8 +342,10 @@ class _Bridge:
                     raise self._abandon("the interpreter is exiting")
         finally:
             EXIT_GATE.leave(call.wake)
+            with call.lock:  # run_here queues nothing more
+                call.ended = True
             self._call = None
-            self._serve(call, refuse=True)
+            self._serve(call)  # still inside the engine's call of this handler
         if fut.cancelled():
             # Only the loop's shutdown (asyncio.run cancelling every task)
             # cancels a handler's own task: stop rather than retry/dead-letter.
@@ -508,7 +531,7 @@ class _AsyncBase(_AsyncContext, Generic[S]):
             # Another close is running (one a handler started, perhaps):
             # return once it has finished, unless this is a handler itself.
             closing = self._closing
-            if closing is not None and not _IN_HANDLER.get():
+            if closing is not None and _own_bridge() is None:
                 await _finish(asyncio.wrap_future(closing))
             return
         self._closed = True
@@ -527,7 +550,7 @@ class _AsyncBase(_AsyncContext, Generic[S]):
             self._pool.shutdown(wait=False)
             return
         closing = self._closing = self._pool.submit(self._close_sync, sync)
-        if _IN_HANDLER.get():
+        if _own_bridge() is not None:
             self._pool.shutdown(wait=False)
             return
         try:
@@ -701,7 +724,7 @@ class AsyncSubscription(_AsyncContext):
         sync = self._sync
         if sync is None or self._owner._closed or _Process.pid != self._owner._pid:
             return
-        if _IN_HANDLER.get():
+        if _own_bridge() is not None:
             sync._deliverer.stop()
             self._owner._pool.submit(sync.close, timeout)
             return
@@ -832,7 +855,7 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
         for sub in [s for s in self._subscriptions if s._matches(channel, subscriber_id)]:
             sub._closed = True  # as the sync Subscription: stopped for good
             self._subscriptions.discard(sub)
-        bridge = _IN_HANDLER.get()
+        bridge = _own_bridge()
         if bridge is not None and (bridge.channel, bridge.subscriber_id) == (
             channel,
             subscriber_id,
