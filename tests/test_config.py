@@ -751,6 +751,26 @@ def test_malformed_yaml(tmp_path: Path) -> None:
     assert len(info.value.problems) == 1
 
 
+@pytest.mark.parametrize(
+    "text, key, line",
+    [
+        ("name: n1\nname: n2\nstorage: {data_dir: d}\n", "name", 2),
+        ("name: n\nstorage:\n  data_dir: a\n  data_dir: b\n", "data_dir", 4),
+        ("name: n\nstorage: {data_dir: d}\nhub: {}\nhub: {enabled: true}\n", "hub", 4),
+    ],
+)
+def test_a_key_given_twice_is_refused(tmp_path: Path, text: str, key: str, line: int) -> None:
+    # The second silently replaced the first; Go's yaml.v3 (1.4) refuses it.
+    with pytest.raises(ConfigError, match=f"key '{key}' is given twice at line {line}"):
+        load_config(write(tmp_path, text))
+
+
+def test_a_merged_key_may_be_overridden(tmp_path: Path) -> None:
+    # YAML's merge keys are defaults the mapping may override.
+    text = "name: n\nstorage:\n  <<: {data_dir: d, sync_interval_ms: 5}\n  sync_interval_ms: 7\n"
+    assert load_config(write(tmp_path, text)).storage.sync_interval_ms == 7
+
+
 def test_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as info:

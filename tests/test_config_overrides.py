@@ -75,6 +75,12 @@ def test_bad_overrides_name_their_source(tmp_path: Path) -> None:
         "storage.sync_interval_ms: must be an integer, got string 'abc' "
         "(set by KEYOP_STORAGE__SYNC_INTERVAL_MS)"
     ]
+    # A problem inside a list item a variable set names the variable too.
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={"KEYOP_HUB__ALLOWED_PEERS": '[{name: "bad name"}]'})
+    (problem,) = info.value.problems
+    assert problem.startswith("hub.allowed_peers[0].name: ")
+    assert problem.endswith("(set by KEYOP_HUB__ALLOWED_PEERS)")
 
 
 def test_relative_paths_resolve_against_the_file_folder(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ are the original's defaults.
 
 Two ways to get a :class:`Config`:
 
-* ``load_config(path)`` reads a YAML file (with ``yaml.safe_load``) and calls
+* ``load_config(path)`` reads a YAML file (safe loading; a key given twice is an error) and calls
   :meth:`Config.from_dict`;
 * build the dataclasses in code, e.g.
   ``Config(storage=StorageConfig(data_dir="/var/lib/keyop"))``, and call

@@ -7,6 +7,7 @@ with the methods that build it from a mapping, export it and validate it.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, fields, is_dataclass
@@ -152,7 +153,7 @@ def load_config(
     import yaml  # only configuration files need it; importing it costs ~2 MB of RSS
 
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=_strict_loader())  # a SafeLoader
     except yaml.YAMLError as exc:
         raise ConfigError([f"{name}: malformed YAML: {_describe_yaml_error(exc)}"]) from exc
     if document is None:
@@ -186,7 +187,8 @@ def _with_source(problem: str, sources: Mapping[str, str]) -> str:
     while key:
         if key in sources:
             return f"{problem} (set by {sources[key]})"
-        key = key.rpartition(".")[0]
+        # hub.allowed_peers[0].name -> hub.allowed_peers[0] -> hub.allowed_peers
+        key = key[: key.rindex("[")] if key.endswith("]") else key.rpartition(".")[0]
     return problem
 
 
@@ -199,6 +201,37 @@ _UNKNOWN_KEY_HINTS: dict[str, str] = {
         "the segment size is set by storage.segment_size_mb, in MiB"
     ),
 }
+
+
+@functools.cache
+def _strict_loader() -> type[yaml.SafeLoader]:
+    """A SafeLoader that refuses a key given twice in one mapping (as Go's
+    yaml.v3, which 1.4 reads with, does): the second silently replaced the
+    first. Keys brought in by a merge (``<<``) may be overridden, as YAML says."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # unhashable: the base class reports it
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"key {key!r} is given twice",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return StrictLoader
 
 
 def _describe_yaml_error(exc: yaml.YAMLError) -> str:
