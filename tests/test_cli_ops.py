@@ -191,8 +191,12 @@ def test_pub_json_lines_from_stdin(tmp_path: Path) -> None:
 
 def test_pub_bad_json(tmp_path: Path) -> None:
     cfg, data_dir, _ = local_config(tmp_path)
-    err = assert_one_error_line(cli("pub", "--config", cfg, "c", "t", "{nope"))
+    # A bad argument is a usage error (2), found before anything is opened.
+    err = assert_one_error_line(cli("pub", "--config", cfg, "c", "t", "{nope"), 2)
     assert "JSON argument: invalid JSON" in err
+    assert not data_dir.exists()
+    err = assert_one_error_line(cli("pub", "--config", cfg, "../x", "t", "1"), 2)
+    assert 'invalid channel name "../x"' in err
     proc = cli("pub", "--config", cfg, "c", "t", stdin='{"ok": 1}\n{broken\n{"never": 1}\n')
     err = assert_one_error_line(proc)
     assert "stdin line 2: invalid JSON" in err and "1 published before it" in err
@@ -202,7 +206,7 @@ def test_pub_bad_json(tmp_path: Path) -> None:
 
 def test_pub_invalid_channel_and_usage_errors(tmp_path: Path) -> None:
     cfg, _, _ = local_config(tmp_path)
-    err = assert_one_error_line(cli("pub", "--config", cfg, "bad/name", "t", "1"))
+    err = assert_one_error_line(cli("pub", "--config", cfg, "bad/name", "t", "1"), status=2)
     assert "invalid channel name" in err
     err = assert_one_error_line(cli("pub", "--config", cfg, "only-channel"), status=2)
     assert "PAYLOAD_TYPE" in err
@@ -319,7 +323,8 @@ def test_sub_from_an_offset_that_starts_no_record_is_refused(tmp_path: Path) -> 
         m.publish_batch("c", [("t", {"n": 1}), ("t", {"n": 2})])
         end = m.stream_end("c")
     err = assert_one_error_line(cli("sub", "--config", cfg, "c", "--from", "5"), 2)
-    assert "offset 5 is not the start of a record" in err
+    assert "--from 5 (channel 'c'): offset 5 is not the start of a record;" in err
+    assert "Message.offset" not in err  # the command line's words, not the API's
     err = assert_one_error_line(cli("sub", "--config", cfg, "c", "--from", str(end + 1)), 2)
     assert f"offset {end + 1} is past the end of the channel ({end})" in err
     assert not (data_dir / "quarantine").exists()
@@ -503,7 +508,7 @@ def test_tail_errors(tmp_path: Path) -> None:
     data_dir = go_data_dir(tmp_path / "go")
     err = assert_one_error_line(cli("tail", "--data-dir", data_dir, "nope"), 2)
     assert 'channel "nope" does not exist' in err
-    err = assert_one_error_line(cli("tail", "--data-dir", data_dir, "../etc"))
+    err = assert_one_error_line(cli("tail", "--data-dir", data_dir, "../etc"), 2)
     assert "invalid channel name" in err
 
 
@@ -513,8 +518,6 @@ def test_tail_errors(tmp_path: Path) -> None:
 
 
 def test_stats_json_and_table(tmp_path: Path) -> None:
-    if not hasattr(Messenger, "stats"):
-        pytest.skip("Messenger.stats() not available yet")
     cfg, _, config = local_config(tmp_path)
     with Messenger(config) as m:
         m.subscribe("orders", "billing", lambda msg: None).close()

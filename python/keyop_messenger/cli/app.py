@@ -70,7 +70,13 @@ def _one_line(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    from ..errors import ChannelNotFoundError, ConfigError, DataDirNotFoundError, KeyopError
+    from ..errors import (
+        ChannelNotFoundError,
+        ConfigError,
+        DataDirNotFoundError,
+        InvalidNameError,
+        KeyopError,
+    )
 
     parser = _build_parser()
     args_list = _normalise(list(sys.argv[1:] if argv is None else argv))
@@ -106,9 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A path that does not exist: a usage error, and nothing was created.
         print(f"Error: {_one_line(err)}", file=sys.stderr)
         return 2
-    except ConfigError as err:
-        # The configuration file or an argument (an offset, a position) is
-        # wrong: a usage error, as ``run`` reports it.
+    except (ConfigError, InvalidNameError) as err:
+        # The configuration file or an argument (an offset, a position, a
+        # channel's name) is wrong: a usage error, as ``run`` reports it.
         print(f"Error: {_one_line(err)}", file=sys.stderr)
         return 2
     except (UsageError, CommandError, KeyopError, OSError) as err:

@@ -15,9 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from .common import (
     CONFIG_HELP,
     CommandError,
+    OpsUsageError,
     Out,
     PipeClosed,
     Progress,
@@ -140,6 +142,14 @@ def _parse_json(text: str | bytes, where: str) -> Any:
         raise CommandError(f"{where}: invalid JSON: {exc}") from None
 
 
+def _parse_json_argument(text: str) -> Any:
+    """The JSON argument of ``pub``: a usage error (exit 2) when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise OpsUsageError(f"JSON argument: invalid JSON: {exc}") from None
+
+
 def _stdin_batches(payload_type: str) -> Iterator[list[tuple[str, Any]]]:
     """Batches of ``(payload_type, payload)`` from the JSON lines of stdin: the
     complete lines available at once, up to the batch limits. A bad line ends
@@ -182,6 +192,8 @@ def _cmd_pub(args: argparse.Namespace) -> int:
     out = Out()
     meta = {"service_name": args.service_name, "correlation_id": args.correlation_id}
     publisher: Any
+    # Checked before anything is opened.
+    payload = None if args.json is None else _parse_json_argument(args.json)
     if args.ephemeral:
         from ..ephemeral import EphemeralMessenger
 
@@ -190,7 +202,6 @@ def _cmd_pub(args: argparse.Namespace) -> int:
         publisher = open_local(args.config, "use --ephemeral to publish through a hub")
     with publisher:
         if args.json is not None:
-            payload = _parse_json(args.json, "JSON argument")
             out.line(publisher.publish(args.channel, args.payload_type, payload, **meta))
             return 0
         progress = Progress(f"published to {args.channel}")
@@ -331,7 +342,17 @@ def _sub_from_files(data_dir: Path, args: argparse.Namespace) -> int:
     handle_sigterm()
     try:
         while True:
-            rows = _core.read_channel(os.fspath(data_dir), args.channel, position)
+            try:
+                rows = _core.read_channel(os.fspath(data_dir), args.channel, position)
+            except ConfigError as err:
+                if position != args.from_offset:
+                    raise
+                # The engine's reason, in the command line's words.
+                why = str(err).split("; use", 1)[0].rsplit(": ", 1)[-1]
+                raise OpsUsageError(
+                    f"--from {args.from_offset} (channel {args.channel!r}): {why}; give an "
+                    "offset that sub, tail or stats printed, or leave --from out"
+                ) from None
             got = False
             for row in rows:
                 entry = entry_from_row(row, None)
