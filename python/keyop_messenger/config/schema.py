@@ -250,10 +250,14 @@ class FederationConfig:
             ``reconnect_base_ms``).
         reconnect_jitter: Relative jitter applied as a uniform factor in [-j, +j]
             (must be within [0, 1]; 0 disables jitter).
-        send_buffer_messages: Capacity of each client connection's outbound queue;
-            messages are dropped with a warning when it is full (must be > 0).
-        max_batch_bytes: Batch size target for outgoing binary messages and size
-            limit per incoming record (must be > 0).
+        send_buffer_messages: Publishes an ephemeral client queues while it is
+            not connected; one past it raises ``BufferFullError`` (must be > 0).
+            Durable clients forward from their data directory and need no queue:
+            the key has no effect on them.
+        max_batch_bytes: Batch size target for outgoing binary messages (a record
+            larger than it still goes, alone, up to the 10 MiB record limit); an
+            incoming WebSocket message may be up to this + 10 MiB + 64 KiB
+            (must be > 0).
     """
 
     reconnect_base_ms: int = 500
