@@ -168,6 +168,21 @@ def test_check_reports_unreadable_files_and_bad_data_dir(tmp_path: Path, pki: PK
     assert f"storage.data_dir: {tmp_path / 'file'} exists and is not a directory" in result.stderr
 
 
+def test_check_tries_whether_the_data_dir_can_be_created(tmp_path: Path, pki: PKI) -> None:
+    # Permission bits do not tell (root may write anywhere by them; /proc is
+    # 0555 but root's bits pass): --check tries, and leaves nothing behind.
+    bad = hub_doc(pki, Path("/proc/keyop-check-data"))
+    result = run_once(["--config", str(write_config(tmp_path / "bad.yaml", bad)), "--check"])
+    assert result.returncode == 2, result.stderr
+    assert "storage.data_dir: /proc/keyop-check-data does not exist and cannot be created" in (
+        result.stderr
+    )
+    good = hub_doc(pki, tmp_path / "nested" / "data")
+    result = run_once(["--config", str(write_config(tmp_path / "good.yaml", good)), "--check"])
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml", "good.yaml"]
+
+
 def test_check_loads_the_tls_files_as_run_does(tmp_path: Path, pki: PKI) -> None:
     """What federation refuses when it loads the files, --check refuses too
     (exit 2, so a service manager does not restart in a loop): a key readable

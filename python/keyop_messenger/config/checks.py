@@ -81,17 +81,30 @@ def _check_data_dir(data_dir: str, problems: list[str]) -> None:
     if os.path.exists(data_dir):
         if not os.path.isdir(data_dir):
             problems.append(f"{key}: {data_dir} exists and is not a directory")
-        elif not os.access(data_dir, os.W_OK | os.X_OK):
+        elif not _can_create_in(data_dir):
             problems.append(f"{key}: {data_dir} is not writable by this user")
         return
     parent = os.path.dirname(os.path.abspath(data_dir))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    if not os.path.isdir(parent) or not _can_create_in(parent):
         problems.append(
             f"{key}: {data_dir} does not exist and cannot be created ({parent} is not a "
             "writable directory)"
         )
+
+
+def _can_create_in(directory: str) -> bool:
+    """Whether a directory can be made in ``directory``: tried (a temporary
+    one, removed at once), as permission bits do not tell for root, read-only
+    mounts or file systems such as /proc."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".keyop-check-", dir=directory))
+    except OSError:
+        return False
+    return True
 
 
 def _check_addr(key: str, addr: str, problems: list[str]) -> None:
