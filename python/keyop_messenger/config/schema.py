@@ -47,7 +47,8 @@ class StorageConfig:
             ``DeprecationWarning`` and a logged warning; setting both is an error. Read
             as 1.4 reads it: 0 means the default (256), a negative value never rolls.
         offset_flush_interval_ms: Minimum time between offset-file writes of a local
-            subscriber; 0 writes after every message (must be >= 0).
+            subscriber; 0 writes after every batch of deliveries (one message, or
+            many on a backlog; must be >= 0).
     """
 
     data_dir: str = ""
