@@ -332,3 +332,27 @@ def test_two_tokens_with_one_hash_are_refused(pki: fed_helpers.PKI, tmp_path: Pa
     text = "\n".join(info.value.problems)
     assert "gateway.tokens[1].hash: duplicate token hash" in text, text
     assert "'twin'" in text and "gateway.tokens[0] ('app')" in text, text
+
+
+def test_a_websocket_reads_its_client_while_it_delivers_a_backlog(
+    pki: fed_helpers.PKI, tmp_path: Path
+) -> None:
+    """A publish sent while the socket delivers a backlog is answered between
+    its steps (it waited for the whole backlog), and a Close is answered with
+    a Close (it was ignored, then the connection dropped)."""
+    with Messenger(Config.from_dict(gateway_doc(pki, tmp_path / "data"))) as m:
+        _fill(m, "sensors", 60, 300_000)
+        ws = WsClient(pki, m, "/v1/channels/sensors/ws?from=earliest")
+        try:
+            ws.send_text(json.dumps({"ref": "p1", "payload_type": "t", "payload": 1}))
+            before = 0
+            while ws.recv_json()["type"] != "published":
+                before += 1
+            assert before < 60, "the reply came after the whole backlog"
+            ws.send_frame(fed_helpers.OP_CLOSE, (1000).to_bytes(2, "big"))
+            with pytest.raises(PeerClosed) as closed:
+                for _ in range(61):  # what was in flight, then the Close
+                    ws.recv(TIMEOUT_S)
+            assert closed.value.code == 1000
+        finally:
+            ws.close()

@@ -120,9 +120,14 @@ async fn run<S>(
 {
     let (mut sink, mut source) = ws.split();
     let idle = Duration::from_millis(state.cfg.idle_timeout_ms.max(1));
+    // When bytes last moved either way (a frame read, a step of records
+    // written out): a reader catching up sends nothing and is not idle.
     let mut last_heard = tokio::time::Instant::now();
+    // Records were delivered in the last step: more may be waiting. The
+    // client's frames are read between steps (publishes answered, a Close
+    // answered), not only once caught up.
+    let mut backlog = false;
     loop {
-        // Deliver what is committed first.
         if let Some((r, w)) = reader.as_mut() {
             let events = tokio::task::block_in_place(|| {
                 stream::read_events(r, w, stream::STEP, stream::STEP_BYTES)
@@ -134,7 +139,8 @@ async fn run<S>(
                     return;
                 }
             };
-            if !events.is_empty() {
+            let events_empty = events.is_empty();
+            if !events_empty {
                 let mut n = 0;
                 for ev in events {
                     let text = match ev {
@@ -157,11 +163,15 @@ async fn run<S>(
                 if sink.flush().await.is_err() {
                     return;
                 }
+                last_heard = tokio::time::Instant::now();
                 state.counters.delivered.fetch_add(n, Ordering::Relaxed);
-                continue;
             }
+            backlog = !events_empty;
         }
         let committed = async {
+            if backlog {
+                return; // the next step at once (unless a client frame is there)
+            }
             match reader.as_ref() {
                 Some((r, w)) => w.notifier().changed_past(r.position()).await,
                 None => std::future::pending().await,
@@ -173,7 +183,7 @@ async fn run<S>(
                 return;
             }
             _ = committed => {
-                if let Some((r, w)) = reader.as_ref() {
+                if let Some((r, w)) = reader.as_ref().filter(|_| !backlog) {
                     if w.notifier().committed_end() <= r.position() {
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
@@ -224,7 +234,12 @@ async fn run<S>(
                         }
                         return;
                     }
-                    Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
+                    Some(Ok(Message::Close(_))) => {
+                        // The reply tungstenite queued, sent: the closing handshake.
+                        let _ = sink.close().await;
+                        return;
+                    }
+                    None | Some(Err(_)) => return,
                     Some(Ok(_)) => continue,
                 };
                 if sink.send(Message::Text(reply.to_string().into())).await.is_err() {
