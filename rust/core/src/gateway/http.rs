@@ -13,8 +13,8 @@ use hyper::{Method, Request, Response, StatusCode};
 use super::auth::{self, Access, AuthError, Identity};
 use super::publish::publish_body;
 use super::reply::{
-    full, header_str, json, log_refusal, param, percent_decode, query, refuse, Body, Client,
-    Refusal,
+    full, header_str, json, log_refusal, param, percent_decode, query, rate_limit, refuse, Body,
+    Client, Refusal,
 };
 use super::State;
 use crate::envelope::{validate_name, NameKind};
@@ -152,18 +152,7 @@ async fn route(
         ));
     }
     let identity = authenticate(state, client, req)?;
-    if let Err(wait) = state.limiter.check(&identity.label) {
-        let mut r = Refusal::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limited",
-            format!(
-                "{} is over gateway.rate_limit_per_s ({}/s); retry later",
-                identity.label, state.cfg.rate_limit_per_s
-            ),
-        );
-        r.retry_after = Some(wait.as_secs_f64().ceil() as u64);
-        return Err(r);
-    }
+    rate_limit(state, &identity.label)?;
     validate_name(NameKind::Channel, &channel)
         .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "invalid", e.to_string()))?;
     let forbidden = |access: Access| {

@@ -31,6 +31,25 @@ pub(super) struct Client {
     pub activity: super::activity::Activity,
 }
 
+/// Takes a request from the client `label`'s rate limit: a 429 refusal
+/// with `Retry-After` when it is over (HTTP requests and WebSocket publish
+/// frames alike).
+pub(super) fn rate_limit(state: &State, label: &str) -> Result<(), Refusal> {
+    let Err(wait) = state.limiter.check(label) else {
+        return Ok(());
+    };
+    let mut r = Refusal::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate_limited",
+        format!(
+            "{label} is over gateway.rate_limit_per_s ({}/s); retry later",
+            state.cfg.rate_limit_per_s
+        ),
+    );
+    r.retry_after = Some(wait.as_secs_f64().ceil() as u64);
+    Err(r)
+}
+
 /// Logs a refusal: counted always, logged at most once per 10 s (a flood of
 /// bad requests must not flood the log); a storage error at WARNING.
 pub(super) fn log_refusal(who: &str, r: &Refusal) {

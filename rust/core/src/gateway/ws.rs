@@ -311,16 +311,7 @@ async fn publish_frame(
         error_frame(&reference, r)
     };
     // Each publish frame is a request of the client's rate limit.
-    if let Err(wait) = state.limiter.check(&identity.label) {
-        let mut r = Refusal::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limited",
-            format!(
-                "{} is over gateway.rate_limit_per_s ({}/s); retry later",
-                identity.label, state.cfg.rate_limit_per_s
-            ),
-        );
-        r.retry_after = Some(wait.as_secs_f64().ceil() as u64);
+    if let Err(r) = http::rate_limit(state, &identity.label) {
         return refused(r);
     }
     if !may_publish {
