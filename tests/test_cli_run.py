@@ -10,6 +10,8 @@ import signal
 import socket
 from pathlib import Path
 
+import pytest
+
 import fed_helpers
 from fed_helpers import PKI, Inbox, Starter, client_config, stored_ids
 from run_helpers import hub_doc, poll, run_once, running, write_config
@@ -155,6 +157,20 @@ def test_check_refuses_an_expired_certificate_naming_its_dates(
     # Without --check the same configuration does not start either.
     assert run_once(["--config", str(cfg)]).returncode == 2
     assert not (tmp_path / "data").exists()
+
+
+def test_keygen_inspect_says_a_certificate_has_expired(
+    tmp_path: Path, pki: PKI, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from keyop_messenger.cli import main
+
+    cert, _, dates = _expired_certificate(pki, tmp_path)
+    assert main(["keygen", "inspect", str(cert)]) == 0
+    out = capsys.readouterr().out
+    assert f"Valid until: {dates[1]}\n" in out, out
+    assert "Status:      EXPIRED 1 day ago\n" in out, out
+    assert main(["keygen", "inspect", str(pki.ca)]) == 0
+    assert "Status:      valid (expires in " in capsys.readouterr().out
 
 
 def test_check_reports_unreadable_files_and_bad_data_dir(tmp_path: Path, pki: PKI) -> None:

@@ -875,3 +875,22 @@ def test_metrics_listen_addr_is_checked() -> None:
     with pytest.raises(ConfigError) as info:
         Config.from_dict({"storage": {"data_dir": "/d"}, "metrics": {"listen_addr": "nope"}})
     assert [p.split(":")[0] for p in info.value.problems] == ["metrics.listen_addr"]
+
+
+def test_errors_of_a_file_name_it(tmp_path: Path) -> None:
+    bad = write(tmp_path, "name: a\nstorage: {data_dir: /d}\nsubscribers: {max_retries: -1}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    assert info.value.path == str(bad)
+    assert info.value.problems == ["subscribers.max_retries: must be >= 0, got -1"]
+    assert str(info.value) == (
+        f"invalid configuration in {bad}: subscribers.max_retries: must be >= 0, got -1"
+    )
+    missing = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError, match=f"in {missing}: cannot read configuration file"):
+        load_config(missing)
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict(
+            {"name": "a", "storage": {"data_dir": "/d"}, "subscribers": {"max_retries": -1}}
+        )
+    assert info.value.path is None and "invalid configuration: " in str(info.value)

@@ -1012,4 +1012,5 @@ def test_unusable_config_file_is_one_clear_error(
         path.write_text(text)
     err = open_refused(path)
     assert len(err.problems) == 1, err.problems
-    assert str(path) in err.problems[0] and fragment in err.problems[0], err.problems
+    assert fragment in err.problems[0], err.problems
+    assert err.path == str(path) and f"in {path}: " in str(err), err

@@ -18,7 +18,7 @@ import pytest
 import fed_helpers
 import keyop_messenger
 from fed_helpers import PKI, Starter, client_config, free_port
-from run_helpers import WAIT_S, hub_doc, poll, running, write_config
+from run_helpers import WAIT_S, hub_doc, poll, run_once, running, write_config
 
 pki = fed_helpers.pki
 start = fed_helpers.start
@@ -101,6 +101,22 @@ def test_run_json_logs(tmp_path: Path, pki: PKI) -> None:
     assert all(d["logger"].startswith("keyop_messenger") for d in docs)
     assert {"INFO"} <= {d["level"] for d in docs}
     assert all(d["ts"].endswith("Z") and "T" in d["ts"] for d in docs)
+
+
+def test_run_json_logs_say_why_the_configuration_was_refused(
+    tmp_path: Path, pki: PKI
+) -> None:
+    doc = hub_doc(pki, tmp_path / "hub")
+    doc["subscribers"] = {"max_retries": -1}
+    cfg = write_config(tmp_path / "hub.yaml", doc)
+    for extra in ([], ["--check"]):
+        result = run_once(["--config", str(cfg), "--log-format", "json", *extra])
+        assert result.returncode == 2, result.stderr
+        docs = [json.loads(line) for line in result.stderr.splitlines()]
+        assert [d["level"] for d in docs] == ["ERROR"], docs
+        assert docs[0]["message"] == (
+            f"configuration: {cfg}: subscribers.max_retries: must be >= 0, got -1"
+        )
 
 
 def test_run_quiet_and_verbose(tmp_path: Path, pki: PKI) -> None:

@@ -40,17 +40,21 @@ class ConfigError(KeyopError, ValueError):
     """The configuration is invalid.
 
     ``problems`` lists every problem found, one message each; ``str(err)``
-    shows them all.
+    shows them all. ``path`` is the configuration file they were found in
+    (``None`` for a configuration given as a mapping); ``str(err)`` names it.
     """
 
-    def __init__(self, problems: list[str] | str) -> None:
+    def __init__(self, problems: list[str] | str, path: str | None = None) -> None:
         if isinstance(problems, str):
             problems = [problems]
         self.problems: list[str] = list(problems)
+        self.path: str | None = path
+        where = f" in {path}" if path is not None else ""
         if len(self.problems) == 1:
-            text = f"invalid configuration: {self.problems[0]}"
+            text = f"invalid configuration{where}: {self.problems[0]}"
         else:
-            text = "invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems)
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            text = f"invalid configuration{where}:\n{lines}"
         super().__init__(text)
 
 

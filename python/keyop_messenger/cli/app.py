@@ -64,7 +64,8 @@ def _one_line(err: BaseException) -> str:
     from ..errors import ConfigError
 
     if isinstance(err, ConfigError) and len(err.problems) > 1:
-        return "invalid configuration: " + "; ".join(err.problems)
+        where = f" in {err.path}" if err.path is not None else ""
+        return f"invalid configuration{where}: " + "; ".join(err.problems)
     return " ".join(str(err).split()) or type(err).__name__
 
 

@@ -79,10 +79,16 @@ def add_parsers(commands: Any) -> None:
     )  # fmt: skip
 
 
-def _config_problems(path: str, problems: list[str]) -> int:
+def _config_problems(path: str, problems: list[str], log_format: str) -> int:
+    """Reports each problem of the configuration at ``path`` on stderr: an
+    ``Error:`` line, or with ``--log-format json`` an ERROR log line, so a
+    log collector reading JSON sees why the instance did not start."""
     for problem in problems:
         text = problem if problem.startswith(f"{path}:") else f"{path}: {problem}"
-        print(f"Error: {text}", file=sys.stderr)
+        if log_format == "json":
+            log.error("configuration: %s", text)
+        else:
+            print(f"Error: {text}", file=sys.stderr)
     return EXIT_CONFIG
 
 
@@ -102,14 +108,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         config = load(args.config, args.set)
     except ConfigError as err:
-        return _config_problems(args.config, err.problems)
+        return _config_problems(args.config, err.problems, args.log_format)
     flags_set_level = bool(args.verbose or args.quiet)
     if not flags_set_level and config.log.level:
         set_package_level(level_for(0, 0, config.log.level))
     log.debug("configuration %s: %s", args.config, json.dumps(config.to_dict()))
     problems = check_environment(config)
     if problems:
-        return _config_problems(args.config, problems)
+        return _config_problems(args.config, problems, args.log_format)
     if args.check:
         print(f"{args.config}: configuration OK")
         return 0
@@ -255,7 +261,9 @@ def _reload(
     try:
         new = reload()
     except ConfigError as err:
-        log.error("SIGHUP: configuration not reloaded: %s", "; ".join(err.problems))
+        log.error(
+            "SIGHUP: configuration %s not reloaded: %s", err.path, "; ".join(err.problems)
+        )
         return
     old = current[0]
     changed = _changed_keys(old, new)

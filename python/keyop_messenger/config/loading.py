@@ -147,24 +147,27 @@ def load_config(
             text = stream.read()
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        raise ConfigError([f"{name}: cannot read configuration file: {reason}"]) from exc
+        raise ConfigError([f"cannot read configuration file: {reason}"], path=name) from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError([f"{name}: configuration file is not UTF-8 text: {exc}"]) from exc
+        raise ConfigError([f"configuration file is not UTF-8 text: {exc}"], path=name) from exc
     import yaml  # only configuration files need it; importing it costs ~2 MB of RSS
 
     try:
         document = yaml.load(text, Loader=_strict_loader())  # a SafeLoader
     except yaml.YAMLError as exc:
-        raise ConfigError([f"{name}: malformed YAML: {_describe_yaml_error(exc)}"]) from exc
+        raise ConfigError([f"malformed YAML: {_describe_yaml_error(exc)}"], path=name) from exc
     if document is None:
-        raise ConfigError([f"{name}: configuration file is empty"])
+        raise ConfigError(["configuration file is empty"], path=name)
     if not isinstance(document, Mapping):
         kind = describe(document)
         raise ConfigError(
-            [f"{name}: the top level must be a mapping of keys to values, got {kind}"]
+            [f"the top level must be a mapping of keys to values, got {kind}"], path=name
         )
     if not (resolve_paths or environ or overrides):
-        return Config.from_dict(document)
+        try:
+            return Config.from_dict(document)
+        except ConfigError as err:
+            raise ConfigError(err.problems, path=name) from None
     from . import overrides as _overrides
 
     document = dict(document)
@@ -173,13 +176,14 @@ def load_config(
     found, problems = _overrides.collect(environ or {}, overrides)
     problems += _overrides.apply(document, found)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, path=name)
     try:
         return Config.from_dict(document)
     except ConfigError as err:
         # Name the variable or flag that set a key a problem is about.
         sources = {dotted: source for source, dotted, _ in found}
-        raise ConfigError([_with_source(p, sources) for p in err.problems]) from None
+        problems = [_with_source(p, sources) for p in err.problems]
+        raise ConfigError(problems, path=name) from None
 
 
 def _with_source(problem: str, sources: Mapping[str, str]) -> str:

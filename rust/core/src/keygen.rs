@@ -721,8 +721,46 @@ impl CertSummary {
         rfc3339(self.not_after)
     }
 
-    /// Every field, one labelled line each (the `inspect` output).
+    /// Every field, one labelled line each (the `inspect` output), with the
+    /// certificate's state at this moment.
     pub fn details(&self) -> String {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        self.details_at(now)
+    }
+
+    /// Whether the certificate is valid at `now` (Unix seconds), in words:
+    /// `valid (expires in 364 days)`, `EXPIRED 3 days ago`, `NOT YET VALID ...`.
+    pub fn status_at(&self, now: i64) -> String {
+        const DAY: i64 = 86_400;
+        let days = |secs: i64| {
+            let n = secs / DAY;
+            if n == 1 {
+                "1 day".to_owned()
+            } else if n == 0 {
+                "less than a day".to_owned()
+            } else {
+                format!("{n} days")
+            }
+        };
+        if now < self.not_before {
+            format!(
+                "NOT YET VALID (valid in {})",
+                days(self.not_before.saturating_sub(now))
+            )
+        } else if now > self.not_after {
+            format!("EXPIRED {} ago", days(now.saturating_sub(self.not_after)))
+        } else {
+            format!(
+                "valid (expires in {})",
+                days(self.not_after.saturating_sub(now))
+            )
+        }
+    }
+
+    /// [`details`](Self::details) as seen at `now` (Unix seconds).
+    pub fn details_at(&self, now: i64) -> String {
         let sans = if self.sans.is_empty() {
             "(none)".to_owned()
         } else {
@@ -735,6 +773,7 @@ impl CertSummary {
             ("Serial:", &self.serial),
             ("Valid from:", &self.valid_from()),
             ("Valid until:", &self.valid_until()),
+            ("Status:", &self.status_at(now)),
             (
                 "Fingerprint:",
                 &format!("SHA-256:{}", self.fingerprint_sha256),

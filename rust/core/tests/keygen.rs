@@ -387,6 +387,23 @@ fn summary_lines_and_inspect() {
     );
     assert!(details.contains("\nCA:          yes\n"), "{details}");
     assert!(details.ends_with("\nSANs:        (none)"), "{details}");
+    assert!(
+        details.contains("\nStatus:      valid (expires in "),
+        "{details}"
+    );
+    let at = |now: i64| summary.status_at(now);
+    assert_eq!(at(summary.not_after + 3 * 86_400 + 5), "EXPIRED 3 days ago");
+    assert_eq!(at(summary.not_after + 10), "EXPIRED less than a day ago");
+    assert_eq!(
+        at(summary.not_before - 86_400),
+        "NOT YET VALID (valid in 1 day)"
+    );
+    assert!(
+        summary
+            .details_at(summary.not_after + 86_400)
+            .contains("\nStatus:      EXPIRED 1 day ago\n"),
+        "an expired certificate says so"
+    );
 
     // DER input and multi-certificate PEM files.
     let der_path = ca.dir.path().join("ca.der");

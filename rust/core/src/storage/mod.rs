@@ -166,6 +166,7 @@ impl Store {
                 dir.display()
             )))?;
         }
+        quarantine::remove_stale_temporaries(root);
         let shared = Arc::new(Shared {
             cfg,
             writers: RwLock::new(HashMap::default()),

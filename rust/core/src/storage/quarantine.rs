@@ -203,6 +203,51 @@ pub fn copy_from(
     Ok(false)
 }
 
+/// Removes the temporary files of [`copy_from`] under `data_dir/quarantine/`
+/// whose writing process is gone (a crash between writing and linking one);
+/// a live process's, another's reading the directory now, are left alone.
+/// Failures are logged, never fatal: a stray temporary file is only space.
+pub fn remove_stale_temporaries(data_dir: &Path) {
+    let Ok(channels) = std::fs::read_dir(data_dir.join(QUARANTINE_DIR)) else {
+        return;
+    };
+    for dir in channels.flatten() {
+        let Ok(files) = std::fs::read_dir(dir.path()) else {
+            continue;
+        };
+        for file in files.flatten() {
+            let name = file.file_name();
+            let Some(pid) = name.to_str().and_then(temporary_writer) else {
+                continue;
+            };
+            if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+                continue;
+            }
+            match std::fs::remove_file(file.path()) {
+                Ok(()) => log::info!(
+                    "removed {}, a quarantine copy left unfinished by a crash",
+                    file.path().display()
+                ),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => log::warn!("cannot remove {}: {e}", file.path().display()),
+            }
+        }
+    }
+}
+
+/// The process id in a temporary file name of [`copy_from`]
+/// (`<offset>.jsonl.<pid>-<n>.tmp`).
+fn temporary_writer(name: &str) -> Option<u32> {
+    let stem = name.strip_suffix(".tmp")?;
+    let (copy, writer) = stem.rsplit_once('.')?;
+    if !copy.ends_with(".jsonl") {
+        return None;
+    }
+    let (pid, n) = writer.split_once('-')?;
+    n.parse::<u64>().ok()?;
+    pid.parse().ok()
+}
+
 /// Decodes a stored line with the reader rules and the payload-depth rule
 /// of a valid record ([`check_payload_depth`]); the error is the reason the
 /// record is unreadable. Header fields are not re-checked, so records other
@@ -262,6 +307,46 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names.len(), 1, "{names:?}");
+    }
+
+    /// Temporary files of a crashed writer go; a live writer's, the copies
+    /// and files of other shapes stay.
+    #[test]
+    fn temporaries_of_a_process_gone_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = quarantine_dir(dir.path(), "ch");
+        std::fs::create_dir_all(&q).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let me = std::process::id();
+        let names = [
+            "148.jsonl".to_owned(),
+            format!("149.jsonl.{gone}-0.tmp"),
+            format!("150.jsonl.{me}-3.tmp"),
+            "notes.tmp".to_owned(),
+            format!("151.txt.{gone}-1.tmp"),
+        ];
+        for name in &names {
+            std::fs::write(q.join(name), b"x").unwrap();
+        }
+        assert_eq!(temporary_writer(&names[1]), Some(gone));
+        remove_stale_temporaries(dir.path());
+        let mut left: Vec<_> = std::fs::read_dir(&q)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want = vec![
+            names[0].clone(),
+            names[2].clone(),
+            names[4].clone(),
+            names[3].clone(),
+        ];
+        want.sort();
+        assert_eq!(left, want);
+        // No quarantine directory at all is fine.
+        remove_stale_temporaries(&dir.path().join("nothing"));
     }
 
     #[test]
