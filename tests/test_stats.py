@@ -315,6 +315,21 @@ def test_subscriber_lag_and_oldest_pending(tmp_path: Path, messenger: Messenger)
     assert messenger.stats().totals.subscribers == 2
 
 
+def test_an_unreadable_offset_file_is_left_out_with_a_warning(
+    tmp_path: Path, messenger: Messenger, caplog: pytest.LogCaptureFixture
+) -> None:
+    messenger.publish("a", "test.Reading", {"n": 1})
+    broken = cursor_path(tmp_path / "data", "a", "broken")
+    broken.parent.mkdir(parents=True, exist_ok=True)
+    broken.write_text("not a number\n")
+    with caplog.at_level("WARNING", logger="keyop_messenger"):
+        subs = channel(messenger, "a").subscribers
+    assert [s.id for s in subs] == []
+    warned = [r.getMessage() for r in caplog.records if "broken" in r.getMessage()]
+    assert len(warned) == 1 and str(broken) in warned[0], caplog.text
+    assert "retention keeps the channel's data" in warned[0]
+
+
 def test_busy_subscriber_reports_its_pending_message(tmp_path: Path, messenger: Messenger) -> None:
     """An active subscriber stuck in its handler lags by the unacknowledged
     records, and its oldest pending time is the message being handled."""

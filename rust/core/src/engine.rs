@@ -19,6 +19,7 @@ use crate::envelope::{
 };
 use crate::federation::{FedConfig, Federation};
 use crate::fork::Owner;
+use crate::lograte::RateLimit;
 use crate::stats::{ChannelSnapshot, EngineStats, SubscriberSnapshot};
 use crate::storage::compaction::{self, CompactionReport, RetentionConfig};
 use crate::storage::offsets::{offset_path, read_offset, subscribers_dir};
@@ -1369,9 +1370,25 @@ fn channel_snapshots(
         let sub_dir = subscribers_dir(root, &name);
         for (id, path) in crate::storage::offsets::list_offsets(&sub_dir).unwrap_or_default() {
             let live = active.get(&(name.clone(), id.clone())).copied();
-            let Some(position) =
-                live.or_else(|| crate::storage::offsets::read_offset(&path).ok().flatten())
-            else {
+            let stored = || match crate::storage::offsets::read_offset(&path) {
+                Ok(position) => position,
+                Err(e) => {
+                    // Left out of the figures, but never silently: retention
+                    // keeps the channel's data while the file cannot be read.
+                    static UNREADABLE: RateLimit = RateLimit::new(Duration::from_secs(60));
+                    if let Some(held) = UNREADABLE.check() {
+                        log::warn!(
+                            "channel {name:?}: subscriber {id:?} left out of the stats: its \
+                             offset file {} cannot be read ({e}); retention keeps the \
+                             channel's data until it is fixed or the subscriber is \
+                             unsubscribed{held}",
+                            path.display()
+                        );
+                    }
+                    None
+                }
+            };
+            let Some(position) = live.or_else(stored) else {
                 continue;
             };
             let lag_bytes = stream_bytes.saturating_sub(position);
