@@ -27,20 +27,36 @@ pub const FEATURE_REFUSALS: &str = "refusals";
 /// and `subscribe_allowed` are extensions (omitted when empty).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Handshake {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub instance_name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub role: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub version: String,
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "String::is_empty",
+        deserialize_with = "null_as_default"
+    )]
     pub last_id: String,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
     pub subscribe: Vec<String>,
-    #[serde(default, skip_serializing_if = "is_false")]
+    #[serde(
+        default,
+        skip_serializing_if = "is_false",
+        deserialize_with = "null_as_default"
+    )]
     pub ephemeral: bool,
     /// Extensions this side speaks ([`FEATURE_REFUSALS`]).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
     pub features: Vec<String>,
     /// Hub only: the channels this peer may publish; absent = unrestricted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -48,6 +64,15 @@ pub struct Handshake {
     /// Hub only: the channels this peer may subscribe; absent = unrestricted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub subscribe_allowed: Option<Vec<String>>,
+}
+
+/// `null` read as the field's empty value, as 1.4's `encoding/json` does.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 impl Handshake {
@@ -219,6 +244,26 @@ mod tests {
             assert!(Handshake::decode(not_an_object).is_err(), "{not_an_object}");
         }
         assert_eq!(Ack::default().to_json(), r#"{"last_id":""}"#);
+    }
+
+    /// `null` for a field reads as its empty value, as 1.4 reads it; a key
+    /// given twice is still refused (serde's derive cannot take the last).
+    #[test]
+    fn null_fields_read_as_empty_values() {
+        let h = Handshake::decode(
+            r#"{"instance_name":"x","role":"client","version":null,"last_id":null,"subscribe":null,"ephemeral":null,"features":null,"publish_allowed":null}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            h,
+            Handshake {
+                instance_name: "x".into(),
+                role: "client".into(),
+                ..Handshake::default()
+            }
+        );
+        let twice = Handshake::decode(r#"{"instance_name":"x","role":"client","role":"hub"}"#);
+        assert!(twice.unwrap_err().contains("duplicate field `role`"));
     }
 
     #[test]
