@@ -466,6 +466,11 @@ def test_hub_listener_and_client_link(
     inbox.wait_count(3)
     assert inbox.ids() == cmds
     wait_until(lambda: subscriber(hub, "cmds", "fed-node1").lag_bytes == 0, "fed cursor at end")
+    # Federation cursors are active while their link is connected.
+    assert subscriber(hub, "cmds", "fed-node1").active is True
+    forwarding = f"hub-127.0.0.1_{port}"
+    wait_until(lambda: subscriber(client, "temps", forwarding).lag_bytes == 0, "forwarded")
+    assert subscriber(client, "temps", forwarding).active is True
 
 
 def test_federation_cursor_lag_while_client_is_away(

@@ -116,7 +116,8 @@ def render(stats: Stats) -> str:
     out.family(
         "keyop_subscriber_active",
         "gauge",
-        "1 if the subscriber is subscribed in this process, 0 if only its offset file exists.",
+        "1 if the subscriber is subscribed in this process, or is a federation cursor whose "
+        "link is connected, 0 if only its offset file exists.",
         [((("channel", ch), ("subscriber", s.id)), int(s.active)) for ch, s in subs],
     )
     out.family(

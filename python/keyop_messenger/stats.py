@@ -35,7 +35,8 @@ class SubscriberStats:
     oldest_pending: datetime.datetime | None
     """Publish time of the oldest message not yet acknowledged, if any."""
     active: bool
-    """Whether it is subscribed in this process (else: only its offset file exists)."""
+    """Whether it is subscribed in this process, or is a federation cursor whose peer
+    or hub link is connected now (else: only its offset file exists)."""
 
 
 @dataclass(frozen=True)

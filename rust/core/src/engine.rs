@@ -942,7 +942,8 @@ impl Engine {
             .into_iter()
             .map(|w| (w.channel().to_owned(), w))
             .collect();
-        channel_snapshots(self.store.data_dir(), &active, &writers)
+        let linked = self.with_federation(linked_cursors).unwrap_or_default();
+        channel_snapshots(self.store.data_dir(), &active, &linked, &writers)
     }
 
     /// Runs one retention pass over every channel of the data directory.
@@ -1337,15 +1338,37 @@ pub fn read_channel_stats(data_dir: &Path) -> Result<Vec<ChannelSnapshot>, Error
     if !data_dir.is_dir() {
         return Err(StorageError::DataDirNotFound(data_dir.to_path_buf()).into());
     }
-    channel_snapshots(data_dir, &HashMap::new(), &HashMap::new())
+    channel_snapshots(data_dir, &HashMap::new(), &HashSet::new(), &HashMap::new())
 }
 
 /// Figures of every channel under `root`; `active` maps (channel, subscriber)
 /// to the position of a subscriber running in this process, `writers` the
 /// channels this process has open.
+/// Ids of the federation cursors in use now: `fed-<peer>` of every peer
+/// connected to the hub, `hub-<addr>` of every client link that is connected.
+fn linked_cursors(fed: &Federation) -> HashSet<String> {
+    let mut ids: HashSet<String> = fed
+        .hub()
+        .map(|hub| hub.connected_peers())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|peer| format!("{}{peer}", envelope::FED_CURSOR_PREFIX))
+        .collect();
+    ids.extend(
+        fed.clients()
+            .iter()
+            .filter(|link| link.status().connected.load(Ordering::Relaxed))
+            .map(|link| crate::federation::client_cursor_id(link.addr())),
+    );
+    ids
+}
+
+/// `active`: subscribers of this process and their positions; `linked`:
+/// federation cursors in use ([`linked_cursors`]).
 fn channel_snapshots(
     root: &Path,
     active: &HashMap<(String, String), u64>,
+    linked: &HashSet<String>,
     writers: &HashMap<String, Arc<ChannelWriter>>,
 ) -> Result<Vec<ChannelSnapshot>, Error> {
     let channels = compaction::list_channels(root).map_err(io_error(format!(
@@ -1397,12 +1420,13 @@ fn channel_snapshots(
             } else {
                 None
             };
+            let active = live.is_some() || linked.contains(&id);
             subscribers.push(SubscriberSnapshot {
                 id,
                 position,
                 lag_bytes,
                 oldest_pending_nanos,
-                active: live.is_some(),
+                active,
             });
         }
         out.push(ChannelSnapshot {
