@@ -34,3 +34,25 @@ def test_example_script_runs_the_packaged_demo() -> None:
         [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120
     )
     _check(result)
+
+
+def test_the_commands_the_demo_prints_run_as_printed(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "keyop_messenger", "demo"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    commands = [
+        line[len("$ keyop-messenger ") :].split()
+        for line in result.stdout.splitlines()
+        if line.startswith("$ keyop-messenger ")
+    ]
+    assert len(commands) == 3, result.stdout
+    for argv in commands:
+        done = subprocess.run(
+            [sys.executable, "-m", "keyop_messenger", *argv],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, (argv, done.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ca.crt", "ca.key", "demo-hub.crt", "demo-hub.key", "demo-sensor.crt", "demo-sensor.key"
+    ]

@@ -36,10 +36,14 @@ class Reading:
 
 def make_pki(d: Path) -> None:
     """CA plus one certificate per instance (CN = instance name)."""
+    print(f"$ cd {d}")
     print("$ keyop-messenger keygen ca")
     print(write_ca(f"{d}/ca.crt", f"{d}/ca.key"))
     for name in ("demo-hub", "demo-sensor"):
-        print(f"$ keyop-messenger keygen instance --name {name}")
+        print(
+            f"$ keyop-messenger keygen instance --ca ca.crt --ca-key ca.key --name {name}"
+            " --san localhost --san 127.0.0.1"
+        )
         print(
             write_instance(
                 f"{d}/ca.crt", f"{d}/ca.key", name, sans=["localhost", "127.0.0.1"],
