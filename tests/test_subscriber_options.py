@@ -84,6 +84,36 @@ def test_dead_letter_signal_dead_letters_at_once_with_its_reason(messenger: Mess
     assert "failed_at" in letter
 
 
+@pytest.mark.parametrize(
+    "exc_type", [RuntimeError, SystemExit, KeyboardInterrupt, GeneratorExit, BaseException]
+)
+def test_a_failure_in_a_batch_redelivers_only_the_failed_message(
+    messenger: Messenger, exc_type: type[BaseException]
+) -> None:
+    """Whatever the handler raises, even a BaseException that is not an
+    Exception, the messages of the batch handled before it stay handled."""
+    failed: set[int] = set()
+
+    def fail(msg: Message) -> BaseException | None:
+        n = msg.payload["n"]
+        if n % 10 == 5 and n not in failed:
+            failed.add(n)
+            return exc_type("once")
+        return None
+
+    messenger.publish_batch("orders", [("t", {"n": i}) for i in range(30)])
+    handler = Recorder(fail)
+    sub = messenger.subscribe(
+        "orders", "billing", handler, start="earliest", backoff=(0.01, 0.01)
+    )
+    wait_until(lambda: sub.position == messenger.stream_end("orders"), "all handled")
+    wait_until(lambda: len(handler.calls) >= 33, "33 calls")
+    assert [n for n, _ in handler.calls] == [
+        *range(6), *range(5, 16), *range(15, 26), *range(25, 30)
+    ]
+    assert dead_letters(messenger, "orders") == []
+
+
 def test_max_retries_and_backoff_override_the_config(messenger: Messenger) -> None:
     handler = Recorder(lambda msg: RuntimeError("down") if msg.payload["n"] == 0 else None)
     messenger.subscribe("orders", "billing", handler, max_retries=2, backoff=(0.2, 0.3))

@@ -102,7 +102,7 @@ class Deliverer:
                 log.info("%s/%s: handler dead-lettered %s: %s", self._channel, self._id,
                          message.id, exc.reason)
                 return i, (True, exc.reason)
-            except Exception as exc:
+            except BaseException as exc:  # SystemExit & co. too: the ones before stay handled
                 unreadable = self._unreadable(message)
                 if unreadable is not None:
                     return i, unreadable
