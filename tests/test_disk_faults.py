@@ -384,7 +384,10 @@ def read_offset(path: Path) -> int:
     return int(path.read_text())
 
 
-def test_failed_offset_writes_lose_nothing_and_catch_up(tmp_path: Path) -> None:
+def test_failed_offset_writes_lose_nothing_and_catch_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="keyop_messenger")
     cfg = make_config(tmp_path)
     got: list[str] = []
     lock = threading.Lock()
@@ -408,10 +411,16 @@ def test_failed_offset_writes_lose_nothing_and_catch_up(tmp_path: Path) -> None:
             assert sub.position == m.stream_end("jobs"), "in memory the offset moved"
             time.sleep(0.5)  # several flush attempts
             assert read_offset(path) == persisted, "the offset file changed despite the fault"
+            # Retried with backoff and logged once, not once per attempt.
+            failures = [r for r in caplog.records if "cannot write offset" in r.getMessage()]
+            assert len(failures) == 1, len(failures)
+            assert failures[0].levelname == "ERROR" and "retried" in failures[0].getMessage()
             # A subscriber stopped now resumes from the persisted offset: the
             # messages after it come again (at least once), none is skipped.
             sub.close()
             assert read_offset(path) == persisted
+            failures = [r for r in caplog.records if "cannot write offset" in r.getMessage()]
+            assert len(failures) == 2, "the failed write at close is logged too"
         finally:
             obstacle.rmdir()
         again: list[str] = []
@@ -434,6 +443,7 @@ def test_failed_offset_writes_lose_nothing_and_catch_up(tmp_path: Path) -> None:
         wait_until(
             lambda: read_offset(path) == m.stream_end("jobs"), "offset written once possible"
         )
+        wait_until(lambda: "offset written again" in caplog.text, "the recovery logged")
         sub.close()
 
 

@@ -203,6 +203,8 @@ struct Worker<H: Handler> {
     acked: u64,
     persisted: u64,
     last_flush: Instant,
+    /// Failed offset writes in a row (a full or failing disk), retried with backoff.
+    offset_failures: OffsetFailures,
     position: Arc<AtomicU64>,
     /// A seek requested by [`Subscriber::seek`], taken between batches.
     seek_to: Arc<Mutex<Option<u64>>>,
@@ -278,6 +280,7 @@ impl Subscriber {
             acked: start,
             persisted: start,
             last_flush: Instant::now(),
+            offset_failures: OffsetFailures::default(),
             position: position.clone(),
             seek_to: seek_to.clone(),
             stop: stop.clone(),
@@ -523,7 +526,11 @@ impl<H: Handler> Worker<H> {
                     continue;
                 }
                 let wait = if self.acked != self.persisted {
-                    self.opts.offset_flush_interval.min(self.opts.poll_interval)
+                    let due = self.opts.offset_flush_interval.min(self.opts.poll_interval);
+                    // After a failed write, not before its retry (new records still wake it).
+                    self.offset_failures
+                        .until_retry()
+                        .map_or(due, |r| r.max(due))
                 } else {
                     self.opts.poll_interval
                 };
@@ -1045,26 +1052,101 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Writes the acknowledged offset if it moved and the flush interval
-    /// allows (always when `force`).
+    /// allows (always when `force`). After a failed write the next one waits
+    /// for its backoff ([`OffsetFailures`]) unless forced.
     fn flush_offset(&mut self, force: bool) {
         if self.acked == self.persisted || self.abandoned.load(Ordering::Acquire) {
             return;
         }
-        if !force && self.last_flush.elapsed() < self.opts.offset_flush_interval {
+        if !force
+            && (self.last_flush.elapsed() < self.opts.offset_flush_interval
+                || self.offset_failures.until_retry().is_some())
+        {
             return;
         }
         match write_offset(&self.offset_path, self.acked) {
             Ok(()) => {
                 self.persisted = self.acked;
                 self.last_flush = Instant::now();
+                if let Some(failed) = self.offset_failures.succeeded() {
+                    log::info!(
+                        "channel {:?}: subscriber {:?}: offset written again, after {failed} \
+                         failed attempts",
+                        self.channel,
+                        self.id
+                    );
+                }
             }
-            Err(e) => log::error!(
-                "channel {:?}: subscriber {:?}: cannot write offset {}: {e}",
-                self.channel,
-                self.id,
-                self.offset_path.display()
-            ),
+            Err(e) => {
+                // A forced write (close, seek) that fails is always logged.
+                let held = self.offset_failures.failed();
+                if let Some(held) = held.or(force.then_some(crate::lograte::Held(0))) {
+                    log::error!(
+                        "channel {:?}: subscriber {:?}: cannot write offset {}: {e}; \
+                         delivery goes on and the write is retried, every {} s at most \
+                         (a restart before it succeeds delivers the messages since the \
+                         last offset written again){held}",
+                        self.channel,
+                        self.id,
+                        self.offset_path.display(),
+                        OFFSET_RETRY_MAX.as_secs()
+                    );
+                }
+            }
         }
+    }
+}
+
+/// First wait before an offset write that failed is tried again; doubled
+/// up to [`OFFSET_RETRY_MAX`].
+const OFFSET_RETRY_MIN: Duration = Duration::from_millis(50);
+/// Longest wait between attempts to write an offset.
+const OFFSET_RETRY_MAX: Duration = Duration::from_secs(5);
+/// A subscriber's failing offset writes are logged at most this often.
+const OFFSET_LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// Failed offset writes in a row: when to try again, and when the failure
+/// was last logged (a full disk must not make a worker spin, nor flood a
+/// log that may well be on the same disk).
+#[derive(Default)]
+struct OffsetFailures {
+    count: u32,
+    retry_at: Option<Instant>,
+    logged_at: Option<Instant>,
+    held: u64,
+}
+
+impl OffsetFailures {
+    /// Time left before the next attempt, if one failed.
+    fn until_retry(&self) -> Option<Duration> {
+        let left = self.retry_at?.saturating_duration_since(Instant::now());
+        (!left.is_zero()).then_some(left)
+    }
+
+    /// Counts a failure and sets the next attempt; `Some(held)` when this one
+    /// is to be logged, `held` being the ones not logged since the last.
+    fn failed(&mut self) -> Option<crate::lograte::Held> {
+        self.count = self.count.saturating_add(1);
+        let delay = OFFSET_RETRY_MIN
+            .saturating_mul(1 << (self.count - 1).min(10))
+            .min(OFFSET_RETRY_MAX);
+        let now = Instant::now();
+        self.retry_at = Some(now + delay);
+        if self
+            .logged_at
+            .is_some_and(|at| now.duration_since(at) < OFFSET_LOG_EVERY)
+        {
+            self.held += 1;
+            return None;
+        }
+        self.logged_at = Some(now);
+        Some(crate::lograte::Held(std::mem::take(&mut self.held)))
+    }
+
+    /// Forgets the failures; how many there were, if any.
+    fn succeeded(&mut self) -> Option<u32> {
+        let count = std::mem::take(self).count;
+        (count > 0).then_some(count)
     }
 }
 
