@@ -109,7 +109,7 @@ def test_example_unit_file() -> None:
         "Type": "notify",
         "User": "keyop",
         "Group": "keyop",
-        "StateDirectory": "keyop-messenger",
+        "StateDirectory": "keyop",
         "ProtectSystem": "strict",
         "NoNewPrivileges": "yes",
         "Restart": "on-failure",
