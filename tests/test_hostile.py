@@ -429,6 +429,77 @@ def test_cn_not_in_allowlist_gets_4403_and_an_audit_record(hub: Hub, pki: PKI) -
     hub.assert_confined(channels={"temps"})
 
 
+def test_a_peer_not_in_the_allowlist_is_refused_before_its_handshake_is_read(
+    hub: Hub, pki: PKI
+) -> None:
+    """Its handshake is never read: the first fragment of a handshake that
+    would be megabytes long (its end never sent) gets 4403 at once, not a
+    handshake timeout, so such peers cannot make the hub hold their data."""
+    with RawPeer(hub.port, pki["intruder"], pki.ca) as raw:
+        send_frame(raw, OP_TEXT, b'{"instance_name":"intruder","x":"' + b"a" * 65536, fin=False)
+        with pytest.raises(PeerClosed) as closed:
+            while True:
+                raw.recv(timeout=HANDSHAKE_TIMEOUT_S - 2)
+    assert (closed.value.code, closed.value.reason) == (4403, "not in allowlist")
+    wait_until(lambda: audit_events(hub.dir, "client_rejected"), "client_rejected")
+    assert hub.status()["rejected"] == 1
+    hub.assert_serves_good_peer()
+
+
+def test_invalid_channel_names_in_a_handshake_are_one_warning(
+    hub: Hub, pki: PKI, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    names = [f"../x{i}" for i in range(500)] + ["cmds"]
+    with RawPeer(hub.port, pki["node2"], pki.ca) as raw:
+        raw.send_text(
+            json.dumps(
+                {"instance_name": "node2", "role": "client", "version": "1", "subscribe": names}
+            )
+        )
+        assert json.loads(raw.recv(timeout=15)[1])["role"] == "hub"
+    invalid = [r.getMessage() for r in caplog.records if "invalid channel" in r.getMessage()]
+    assert len(invalid) == 1, len(invalid)
+    assert "asked for 500 invalid channel name(s)" in invalid[0], invalid[0]
+    assert len(invalid[0]) < 2000
+
+
+def test_a_peer_connecting_many_times_at_once_keeps_its_cursors_whole(
+    hub: Hub, pki: PKI, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each new connection of a durable peer closes its older one and waits
+    for it to end before reading the peer's cursors: connections racing
+    never write one cursor file at once (errors, emptied files)."""
+    caplog.set_level(logging.INFO)
+    hello = json.dumps(
+        {"instance_name": "node1", "role": "client", "version": "1", "subscribe": ["cmds"]}
+    )
+    welcomed = []
+    lock = threading.Lock()
+
+    def storm() -> None:
+        for _ in range(25):
+            with contextlib.suppress(OSError, PeerClosed, TimeoutError):
+                with RawPeer(hub.port, pki["node1"], pki.ca) as raw:
+                    raw.send_text(hello)
+                    op, _ = raw.recv(timeout=15)
+                    with lock:
+                        welcomed.append(op)
+
+    threads = [threading.Thread(target=storm, daemon=True) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert welcomed, "some connections were served"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors[:5]
+    cursor = hub.dir / "subscribers" / "cmds" / "fed-node1.offset"
+    assert cursor.read_text().strip().isdigit(), repr(cursor.read_text())
+    hub.assert_serves_good_peer()
+
+
 def test_rejected_peer_is_logged_as_a_warning(
     hub: Hub, pki: PKI, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -33,6 +33,9 @@ use crate::storage::offsets::{
 };
 use crate::storage::{compaction, LogReader};
 
+/// A peer's WebSocket over the hub's TLS.
+type WsStream = tokio_tungstenite::WebSocketStream<tokio_rustls::server::TlsStream<TcpStream>>;
+
 /// Counters of the hub listener.
 #[derive(Debug, Default)]
 pub struct HubCounters {
@@ -117,6 +120,14 @@ struct HubState {
     /// Warnings of peers rejected by the allowlist: one per 10 s (each is
     /// audited); this hub's own, so another hub's rejections never hide it.
     rejections: RateLimit,
+    /// Logs of connections failed before their handshake ended (counted by
+    /// stage), and of peers connecting again: one per 10 s each.
+    opening_failures: RateLimit,
+    reconnects: RateLimit,
+    /// One per durable peer name, held while a connection of that peer is
+    /// served: a newer connection waits for the older one (cancelled) to
+    /// end, so two never write the peer's cursors at once.
+    serving: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Hub {
@@ -143,6 +154,9 @@ impl Hub {
             ephemeral: ephemeral.clone(),
             next_conn: AtomicU64::new(1),
             rejections: RateLimit::new(Duration::from_secs(10)),
+            opening_failures: RateLimit::new(Duration::from_secs(10)),
+            reconnects: RateLimit::new(Duration::from_secs(10)),
+            serving: Mutex::new(HashMap::new()),
             budgets: Mutex::new(HashMap::new()),
             conns: Arc::new(ConnTable::new(Limits::for_this_process())),
         });
@@ -341,6 +355,35 @@ fn list_text(items: &[String]) -> String {
     format!("[{}]", items.join(","))
 }
 
+/// The allowlist entry of `peer`, if it has one and its name is a valid
+/// peer name.
+fn allowed_entry(state: &HubState, peer: &str) -> Option<AllowedPeer> {
+    if validate_name(NameKind::PeerName, peer).is_err() {
+        return None;
+    }
+    let allowed = state
+        .allowed
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    allowed.iter().find(|p| p.name == peer).cloned()
+}
+
+/// Refuses a peer the allowlist does not name: counted, logged (rate
+/// limited), told with close code 4403 (up to a second), audited.
+async fn reject(state: &HubState, mut ws: WsStream, peer: &str, remote: SocketAddr) {
+    state.counters.rejected.fetch_add(1, Ordering::Relaxed);
+    if let Some(more) = state.rejections.check() {
+        log::warn!("hub: rejected peer {peer:?} from {remote}: not in allowed_peers{more}");
+    }
+    let close = CloseFrame {
+        code: CloseCode::from(CLOSE_NOT_ALLOWED),
+        reason: CLOSE_NOT_ALLOWED_REASON.into(),
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), ws.close(Some(close))).await;
+    audit(&state.shared, "client_rejected", peer, "", String::new());
+}
+
 /// Channels delivered to a peer: requested ∩ allowed (all requested when the
 /// peer's subscribe allowlist is empty), without duplicates.
 fn effective_subscription(requested: &[String], peer: &AllowedPeer) -> Vec<String> {
@@ -384,7 +427,11 @@ impl Registration {
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(peer.to_owned(), (conn, cancel));
             if let Some((_, old)) = older {
-                log::warn!("hub: peer {peer:?} connected again; closing its older connection");
+                if let Some(more) = state.reconnects.check() {
+                    log::warn!(
+                        "hub: peer {peer:?} connected again; closing its older connection{more}"
+                    );
+                }
                 old.cancel();
             }
         }
@@ -444,9 +491,16 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
                 (OpeningFailure::Tls, why.to_string())
             })?;
         guard.identified(&cn);
+        // A peer the allowlist does not name is refused before its handshake
+        // is read: a handshake may be megabytes, which only allowed peers
+        // get to make this hub hold.
+        let allowed_now = allowed_entry(&state, &cn).is_some();
         let mut ws = tokio_tungstenite::accept_async_with_config(tls, Some(ws_cfg))
             .await
             .map_err(|e| (OpeningFailure::Websocket, format!("WebSocket upgrade: {e}")))?;
+        if !allowed_now {
+            return Ok((ws, cn, None));
+        }
         let first = link::next_data(&mut ws).await;
         let hello = match first {
             Some(Ok(Message::Text(t))) => Handshake::decode(t.as_str()).map_err(|e| {
@@ -460,7 +514,7 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
                 return Err((OpeningFailure::Handshake, why));
             }
         };
-        Ok::<_, (OpeningFailure, String)>((ws, cn, hello))
+        Ok::<_, (OpeningFailure, String)>((ws, cn, Some(hello)))
     });
     let opened = tokio::select! {
         _ = guard.cancel.cancelled() => {
@@ -477,46 +531,64 @@ async fn serve(state: Arc<HubState>, tcp: TcpStream, remote: SocketAddr, guard: 
         Ok(Ok(v)) => v,
         Ok(Err((stage, e))) => {
             state.counters.failed.add(stage);
-            log::info!("hub: connection from {remote} failed: {e}");
+            if let Some(more) = state.opening_failures.check() {
+                log::info!("hub: connection from {remote} failed: {e}{more}");
+            }
             return;
         }
         Err(_) => {
             state.counters.failed.add(OpeningFailure::Timeout);
-            log::info!("hub: connection from {remote} timed out before the handshake");
+            if let Some(more) = state.opening_failures.check() {
+                log::info!("hub: connection from {remote} timed out before the handshake{more}");
+            }
             return;
         }
     };
-    // Registered before the allowlist is read, so a reload either finds this
-    // connection (and disconnects it if its entry changed) or happened before
-    // the read (and this connection gets the new entry): never neither.
+    let Some(hello) = hello else {
+        return reject(&state, ws, &peer, remote).await;
+    };
+    // Registered before the allowlist is read again, so a reload either
+    // finds this connection (and disconnects it if its entry changed) or
+    // happened before the read (and this connection gets the new entry):
+    // never neither.
     let registration = Registration::new(&state, &peer, hello.ephemeral, guard.cancel.clone());
-    let allowed = state
-        .allowed
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let entry = allowed.iter().find(|p| p.name == peer).cloned();
-    let Some(entry) = entry.filter(|_| validate_name(NameKind::PeerName, &peer).is_ok()) else {
+    let Some(entry) = allowed_entry(&state, &peer) else {
         // Unregistered before the close handshake (up to a second): a
         // rejected peer is never listed among the connected ones once its
         // client has been told.
         drop(registration);
-        state.counters.rejected.fetch_add(1, Ordering::Relaxed);
-        if let Some(more) = state.rejections.check() {
-            log::warn!("hub: rejected peer {peer:?} from {remote}: not in allowed_peers{more}");
-        }
-        let close = CloseFrame {
-            code: CloseCode::from(CLOSE_NOT_ALLOWED),
-            reason: CLOSE_NOT_ALLOWED_REASON.into(),
-        };
-        let _ = tokio::time::timeout(Duration::from_secs(1), ws.close(Some(close))).await;
-        audit(&shared, "client_rejected", &peer, "", String::new());
-        return;
+        return reject(&state, ws, &peer, remote).await;
     };
     if let Err(e) = guard.establish() {
         log::warn!("hub: closing the connection of {peer:?} from {remote}: {e}");
         return;
     }
+    // A durable peer's older connection, cancelled by the registration,
+    // ends (and writes its cursors) before this one reads them.
+    let _serving = if hello.ephemeral {
+        None
+    } else {
+        let lock = state
+            .serving
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(peer.clone())
+            .or_default()
+            .clone();
+        tokio::select! {
+            _ = guard.cancel.cancelled() => return,
+            held = tokio::time::timeout(HANDSHAKE_TIMEOUT, lock.lock_owned()) => match held {
+                Ok(held) => Some(held),
+                Err(_) => {
+                    log::warn!(
+                        "hub: closing the new connection of {peer:?} from {remote}: its older \
+                         connection did not end within {HANDSHAKE_TIMEOUT:?}"
+                    );
+                    return;
+                }
+            },
+        }
+    };
     // The peer's readers start before it is welcomed: a client whose
     // connect returned gets every record published after that (an ephemeral
     // peer starts at the end, so a record published between the welcome and
@@ -631,9 +703,14 @@ async fn open_channels(
     ephemeral: bool,
 ) -> Result<Vec<OutChannel>, String> {
     let mut out = Vec::new();
+    let mut invalid: Vec<String> = Vec::new();
     for channel in channels {
         if let Err(e) = validate_name(NameKind::Channel, channel) {
-            log::warn!("hub: peer {peer:?} asked for an invalid channel: {e}");
+            if invalid.len() < 3 {
+                invalid.push(e.to_string());
+            } else {
+                invalid.push(String::new());
+            }
             continue;
         }
         let store = shared.store.clone();
@@ -653,12 +730,13 @@ async fn open_channels(
             });
             let start = match &cursor {
                 Some(path) => {
-                    let stored = read_offset(path).map_err(|e| e.to_string())?;
+                    let named = |e: std::io::Error| format!("cursor {}: {e}", path.display());
+                    let stored = read_offset(path).map_err(named)?;
                     let start = stored.map_or(end, |s| s.min(end));
                     if let Some(dir) = path.parent() {
-                        crate::storage::segment::create_dir_all(dir).map_err(|e| e.to_string())?;
+                        crate::storage::segment::create_dir_all(dir).map_err(named)?;
                     }
-                    write_offset(path, start).map_err(|e| e.to_string())?;
+                    write_offset(path, start).map_err(named)?;
                     start
                 }
                 None => end,
@@ -674,6 +752,24 @@ async fn open_channels(
         .await
         .map_err(|e| e.to_string())??;
         out.push(opened);
+    }
+    if !invalid.is_empty() {
+        // One line per handshake, however many names it holds.
+        let shown: Vec<&str> = invalid
+            .iter()
+            .filter(|e| !e.is_empty())
+            .map(String::as_str)
+            .collect();
+        log::warn!(
+            "hub: peer {peer:?} asked for {} invalid channel name(s), left out: {}{}",
+            invalid.len(),
+            shown.join("; "),
+            if invalid.len() > shown.len() {
+                "; ..."
+            } else {
+                ""
+            }
+        );
     }
     Ok(out)
 }
