@@ -162,6 +162,45 @@ def test_async_aclose_is_bounded(config: Config, caplog: pytest.LogCaptureFixtur
     assert warnings_about(caplog, "slow-async", "temps"), caplog.text
 
 
+def test_async_close_cancelled_stops_waiting_and_still_releases(config: Config) -> None:
+    """Cancelling the task awaiting ``close(timeout=600)`` (what Ctrl-C under
+    ``asyncio.run`` does) makes the close stop waiting for the stuck handler:
+    the cancellation arrives long before the timeout, and the close has
+    flushed and released the directory by then."""
+    entered = threading.Event()
+
+    async def main() -> float:
+        forever = asyncio.Event()
+
+        async def handler(msg: Message) -> None:
+            entered.set()
+            await forever.wait()
+
+        am = AsyncMessenger(config)
+        await am.open()
+        await am.subscribe("temps", "stuck", handler)
+        await am.publish("temps", "test.Reading", {})
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(am.close(timeout=600))
+        await asyncio.sleep(0.3)  # inside close, waiting for the handler
+        began = time.monotonic()
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        return time.monotonic() - began
+
+    took = bounded(lambda: asyncio.run(main()))
+    assert took < BOUND_S, took
+    with Messenger(config) as m:  # released, and the message is delivered again
+        got: list[Message] = []
+        m.subscribe("temps", "stuck", got.append)
+        deadline = time.monotonic() + BOUND_S
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(got) == 1
+
+
 STUCK_SCRIPT = """
 import logging, sys, threading
 from keyop_messenger import Config, Messenger

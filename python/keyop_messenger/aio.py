@@ -157,9 +157,12 @@ def _consume(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-async def _finish(fut: asyncio.Future[T]) -> T:
+async def _finish(
+    fut: asyncio.Future[T], on_cancel: Callable[[], object] | None = None
+) -> T:
     """Awaits ``fut`` to completion even if the awaiting task is cancelled
-    meanwhile; then re-raises the cancellation (or returns the result)."""
+    meanwhile (calling ``on_cancel`` then, to make it end sooner); then
+    re-raises the cancellation (or returns the result)."""
     cancelled = False
     while not fut.done():
         try:
@@ -167,6 +170,8 @@ async def _finish(fut: asyncio.Future[T]) -> T:
         except asyncio.CancelledError:
             if fut.cancelled():
                 raise
+            if not cancelled and on_cancel is not None:
+                on_cancel()
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError()
@@ -476,6 +481,9 @@ class _AsyncBase(_AsyncContext, Generic[S]):
     def _close_sync(self, sync: S) -> None:
         sync.close()  # type: ignore[attr-defined]
 
+    def _stop_waiting(self, sync: S) -> None:
+        """Makes the close running on the pool stop waiting for handlers."""
+
     # -- life cycle ---------------------------------------------------------
 
     @property
@@ -517,8 +525,11 @@ class _AsyncBase(_AsyncContext, Generic[S]):
         """Stops every subscription, closes the underlying messenger and the
         thread pool. Idempotent: a close while another is running returns once
         that one has finished. Finishes even when the awaiting task is
-        cancelled. Called from inside a handler, it starts closing and returns
-        at once (waiting would wait for that handler itself). A ``timeout``
+        cancelled (Ctrl-C under ``asyncio.run``): it then stops waiting for
+        handlers, as Ctrl-C does for :meth:`Messenger.close`, flushes and
+        releases everything, and re-raises the cancellation. Called from
+        inside a handler, it starts closing and returns at once (waiting
+        would wait for that handler itself). A ``timeout``
         that is not a finite number >= 0 raises :class:`ValueError` and
         closes nothing.
 
@@ -554,7 +565,9 @@ class _AsyncBase(_AsyncContext, Generic[S]):
             self._pool.shutdown(wait=False)
             return
         try:
-            await _finish(asyncio.wrap_future(closing))
+            # Cancelled (Ctrl-C under asyncio.run): the close stops waiting
+            # for handlers, still flushes and releases, then this re-raises.
+            await _finish(asyncio.wrap_future(closing), lambda: self._stop_waiting(sync))
         finally:
             self._pool.shutdown(wait=False)
             self._close_completers()
@@ -759,6 +772,9 @@ class AsyncMessenger(_AsyncBase["Messenger"]):
 
     def _close_sync(self, sync: Messenger) -> None:
         sync.close(self._close_timeout)
+
+    def _stop_waiting(self, sync: Messenger) -> None:
+        sync._engine.stop_waiting()
 
     def _make(self) -> Messenger:
         from .messenger import Messenger

@@ -366,6 +366,9 @@ pub struct Engine {
     store: Arc<Store>,
     origin: String,
     closed: AtomicBool,
+    /// Set by [`Engine::stop_waiting`]: a close in progress (or to come)
+    /// waits no longer for handlers.
+    stop_waiting: AtomicBool,
     subscribers: Mutex<HashMap<(String, String), Arc<Subscriber>>>,
     retention: Mutex<Option<(Arc<Stop>, JoinHandle<()>)>>,
     /// Set once federation starts: the seen-id window of every federation
@@ -406,6 +409,7 @@ impl Engine {
             store: Arc::new(Store::open(cfg)?),
             origin: origin.to_owned(),
             closed: AtomicBool::new(false),
+            stop_waiting: AtomicBool::new(false),
             subscribers: Mutex::new(HashMap::new()),
             retention: Mutex::new(None),
             seen: OnceLock::new(),
@@ -1103,6 +1107,14 @@ impl Engine {
         self.close_within(DEFAULT_CLOSE_TIMEOUT, &mut || false);
     }
 
+    /// Makes a close running on another thread (or to come) stop waiting for
+    /// handlers, as its `interrupted` would: for a caller that cannot
+    /// interrupt that thread (an asyncio task cancelled while the close runs
+    /// on a pool thread). Never blocks.
+    pub fn stop_waiting(&self) {
+        self.stop_waiting.store(true, Ordering::Release);
+    }
+
     /// [`Engine::close`] waiting at most `timeout` in all for subscriber
     /// handlers still running. A handler that does not return in time is
     /// left running (a warning names it) and its message stays
@@ -1150,7 +1162,7 @@ impl Engine {
                 timeout.saturating_sub(started.elapsed())
             };
             let mut check = || {
-                gave_up = gave_up || interrupted();
+                gave_up = gave_up || self.stop_waiting.load(Ordering::Acquire) || interrupted();
                 gave_up
             };
             all_done &= s.stop_within(left, &mut check);

@@ -1071,6 +1071,12 @@ impl PyEngine {
         interruptible(py, |check| self.engine.close_within(timeout, check))
     }
 
+    /// Makes a close running on another thread stop waiting for handlers
+    /// (the rest of the close still runs). Never blocks.
+    fn stop_waiting(&self) {
+        self.engine.stop_waiting();
+    }
+
     /// Whether this is a process forked after the engine was opened (where
     /// every call raises ForkedProcessError).
     #[getter]
