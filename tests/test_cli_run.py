@@ -96,6 +96,33 @@ def test_check_validates_without_starting(tmp_path: Path, pki: PKI) -> None:
     assert not data_dir.exists()
 
 
+def test_check_and_run_warn_of_a_certificate_expiring_soon_naming_it(
+    tmp_path: Path, pki: PKI
+) -> None:
+    from keyop_messenger._pki import write_instance
+
+    cert, key = tmp_path / "soon.crt", tmp_path / "soon.key"
+    write_instance(
+        str(pki.ca), str(pki.ca_key), "hub1", out_cert=str(cert), out_key=str(key), days=5,
+        sans=["127.0.0.1"],
+    )  # fmt: skip
+    doc = hub_doc(pki, tmp_path / "data")
+    doc["tls"] = {"cert": str(cert), "key": str(key), "ca": str(pki.ca)}
+    cfg = write_config(tmp_path / "hub.yaml", doc)
+    result = run_once(["--config", str(cfg), "--check"])
+    assert result.returncode == 0, result.stderr
+    assert "configuration OK" in result.stdout
+    assert re.search(
+        rf"Warning: {re.escape(str(cfg))}: tls\.cert: {re.escape(str(cert))}: certificate "
+        rf"'CN=hub1' expires on {ISO}, within tls\.expiry_warn_days \(30\)",
+        result.stderr,
+    ), result.stderr
+    assert "tls.ca" not in result.stderr, "the CA is valid for years"
+    with running(["--config", str(cfg)]) as hub:
+        hub.wait_line(rf"instance certificate {re.escape(str(cert))} \(CN=hub1\) expires within 30")
+        assert hub.stop() == 0
+
+
 def _expired_certificate(pki: PKI, out: Path) -> tuple[Path, Path, tuple[str, str]]:
     """A certificate for ``hub1`` signed by the test CA that expired yesterday
     (keygen refuses to make one)."""

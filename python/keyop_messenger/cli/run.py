@@ -100,7 +100,7 @@ _SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ..config.checks import check_environment
+    from ..config.checks import check_environment, check_warnings
     from ..errors import ConfigError
     from .logsetup import level_for, set_package_level, setup_logging
 
@@ -117,6 +117,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if problems:
         return _config_problems(args.config, problems, args.log_format)
     if args.check:
+        for warning in check_warnings(config):
+            print(f"Warning: {args.config}: {warning}", file=sys.stderr)
         print(f"{args.config}: configuration OK")
         return 0
     return serve(

@@ -2,7 +2,8 @@
 the TLS files are readable and their certificates within their validity dates,
 the data directory is (or can be made) a writable folder, and the listen
 addresses resolve. :func:`check_environment` returns the problems, each starting
-with the dotted key it is about, as :class:`~keyop_messenger.errors.ConfigError` does.
+with the dotted key it is about, as :class:`~keyop_messenger.errors.ConfigError` does;
+:func:`check_warnings` what is not a problem yet (a certificate expiring soon).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .loading import Config
 
-__all__ = ["certificate_validity", "check_environment"]
+__all__ = ["certificate_validity", "check_environment", "check_warnings"]
 
 
 def certificate_validity(path: str) -> list[tuple[str, datetime.datetime, datetime.datetime]]:
@@ -153,3 +154,27 @@ def check_environment(config: Config, now: datetime.datetime | None = None) -> l
     if config.metrics.listen_addr:
         _check_addr("metrics.listen_addr", config.metrics.listen_addr, problems)
     return problems
+
+
+def check_warnings(config: Config, now: datetime.datetime | None = None) -> list[str]:
+    """What ``run`` would warn of at startup: the instance certificate
+    (``tls.cert``) or the first CA certificate (``tls.ca``) expiring within
+    ``tls.expiry_warn_days``. Unreadable files are :func:`check_environment`'s
+    problems, not warnings."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    days = config.tls.expiry_warn_days
+    warnings: list[str] = []
+    for name in ("cert", "ca"):
+        path = getattr(config.tls, name)
+        if not path:
+            continue
+        try:
+            subject, start, end = certificate_validity(path)[0]
+        except Exception:
+            continue
+        if start <= now <= end and end - now < datetime.timedelta(days=days):
+            warnings.append(
+                f"tls.{name}: {path}: certificate {subject!r} expires on {_iso(end)}, within "
+                f"tls.expiry_warn_days ({days}); make a new one with keyop-messenger keygen"
+            )
+    return warnings

@@ -495,7 +495,7 @@ pub(crate) fn load_tls(name: &str, cfg: &TlsSettings) -> Result<tls::TlsMaterial
             m.own_cn().unwrap_or_default()
         );
     }
-    m.warn_expiry(cfg.expiry_warn_days, &cfg.ca);
+    m.warn_expiry(cfg.expiry_warn_days, &cfg.cert, &cfg.ca);
     Ok(m)
 }
 

@@ -172,23 +172,27 @@ impl TlsMaterial {
         Ok(Arc::new(cfg))
     }
 
-    /// Logs a warning for the instance and CA certificates expiring within `days`.
-    pub fn warn_expiry(&self, days: i64, ca_path: &str) {
+    /// Logs a warning for the instance certificate (read from `cert_path`)
+    /// and the CA certificate (`ca_path`) expiring within `days`, naming the
+    /// file and the certificate's CN.
+    pub fn warn_expiry(&self, days: i64, cert_path: &str, ca_path: &str) {
         let horizon = unix_now() + days * 86_400;
-        let check = |what: &str, der: &[u8]| {
+        let check = |what: &str, path: &str, der: &CertificateDer<'_>| {
             if let Some((_, not_after)) = validity(der) {
                 if not_after < horizon {
+                    let cn = peer_cn(der).unwrap_or_default();
                     log::warn!(
-                        "{what} certificate expires within {days} days, on {} (not after)",
+                        "{what} certificate {path} (CN={cn}) expires within {days} days, on {} \
+                         (not after); make a new one with keyop-messenger keygen",
                         iso8601(not_after)
                     );
                 }
             }
         };
-        check("instance", &self.certs[0]);
+        check("instance", cert_path, &self.certs[0]);
         if let Ok(mut it) = CertificateDer::pem_file_iter(ca_path) {
             if let Some(Ok(ca)) = it.next() {
-                check("CA", &ca);
+                check("CA", ca_path, &ca);
             }
         }
     }
