@@ -119,6 +119,28 @@ def test_run_json_logs_say_why_the_configuration_was_refused(
         )
 
 
+def test_run_verbose_shows_dependency_debug_lines_only_at_vv(
+    tmp_path: Path, pki: PKI, start: Starter
+) -> None:
+    """``-v``: DEBUG of keyop-messenger; ``-vv``: of every library (the TLS and
+    WebSocket crates' lines, which a client's connection makes)."""
+    port = free_port()
+    doc = hub_doc(pki, tmp_path / "hub")
+    doc["hub"]["listen_addr"] = f"127.0.0.1:{port}"
+    cfg = write_config(tmp_path / "hub.yaml", doc)
+    for flag, dependencies_shown in (("-v", False), ("-vv", True)):
+        with running(["--config", str(cfg), flag]) as hub:
+            hub.wait_ready()
+            client = start(client_config(pki, tmp_path / f"node1{flag}", "node1", port))
+            hub.wait_line('peer "node1" connected')
+            client.close()
+            assert hub.stop() == 0
+        ours = [x for x in hub.lines if " DEBUG keyop_messenger.service" in x]
+        deps = [x for x in hub.lines if " DEBUG keyop_messenger.rustls" in x]
+        assert ours, flag
+        assert bool(deps) == dependencies_shown, (flag, deps[:3])
+
+
 def test_run_quiet_and_verbose(tmp_path: Path, pki: PKI) -> None:
     cfg = write_config(tmp_path / "hub.yaml", hub_doc(pki, tmp_path / "hub"))
     sock, env = _notify(tmp_path)

@@ -24,6 +24,11 @@ __all__ = [
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+#: Loggers of the engine's dependencies that log through it (pyo3-log names
+#: a Rust target ``keyop_messenger.<target>``): ``-v`` leaves them at INFO,
+#: ``-vv`` shows their DEBUG lines too.
+DEPENDENCY_LOGGERS = ("rustls", "tungstenite", "tokio_tungstenite", "iana_time_zone")
+
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ``ts`` (RFC 3339 UTC), ``level``, ``logger``,
@@ -114,6 +119,11 @@ def setup_logging(
         package.removeHandler(_COMMAND_HANDLER)
         _COMMAND_HANDLER = None
     package.setLevel(level)
+    for dep in DEPENDENCY_LOGGERS:
+        quiet_dep = verbose == 1
+        logging.getLogger(f"keyop_messenger.{dep}").setLevel(
+            logging.INFO if quiet_dep else logging.NOTSET
+        )
     if verbose >= 2:
         root = logging.getLogger()
         root.setLevel(logging.DEBUG)
