@@ -500,6 +500,18 @@ def test_a_peer_connecting_many_times_at_once_keeps_its_cursors_whole(
     hub.assert_serves_good_peer()
 
 
+def test_a_rejected_client_is_told_which_certificate_was_refused(hub: Hub, pki: PKI) -> None:
+    from fed_helpers import client_config
+    from keyop_messenger import ConnectionLostError, EphemeralMessenger
+
+    cfg = client_config(pki, hub.dir.parent / "intruder", "intruder", hub.port)
+    with pytest.raises(ConnectionLostError) as info:
+        with EphemeralMessenger(cfg):
+            pass
+    text = str(info.value)
+    assert "CN=intruder" in text and "hub.allowed_peers" in text, text
+
+
 def test_rejected_peer_is_logged_as_a_warning(
     hub: Hub, pki: PKI, caplog: pytest.LogCaptureFixture
 ) -> None:

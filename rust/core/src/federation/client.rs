@@ -72,6 +72,16 @@ impl ClientLink {
     }
 }
 
+/// Why a hub refused this instance (close code 4403), naming the CN of
+/// the certificate it presented: the hub's `allowed_peers` must list it.
+pub(crate) fn rejected_text(tls: &ClientConfig) -> String {
+    let cn = super::tls::own_cn(tls).unwrap_or_else(|| "?".to_owned());
+    format!(
+        "rejected by the hub: this instance's certificate (CN={cn}) is not in its \
+         hub.allowed_peers"
+    )
+}
+
 /// Creates the forwarding cursors of the link to `ep` that do not exist yet,
 /// at the current end of each of its publish channels: the link forwards
 /// what is published from then on. Run when the link starts, and by an
@@ -361,9 +371,7 @@ async fn dial_loop(
             Err(e) => {
                 status.failed_attempts.fetch_add(1, Ordering::Relaxed);
                 let text = match &e {
-                    DialError::Rejected => {
-                        "rejected by the hub: not in its allowed_peers".to_owned()
-                    }
+                    DialError::Rejected => rejected_text(&tls.current()),
                     DialError::Failed(t) => t.clone(),
                 };
                 log::warn!(

@@ -485,9 +485,7 @@ async fn run(
             Err(e) => {
                 ctx.status.failed_attempts.fetch_add(1, Ordering::Relaxed);
                 match e {
-                    DialError::Rejected => {
-                        "rejected by the hub: not in its allowed_peers".to_owned()
-                    }
+                    DialError::Rejected => super::client::rejected_text(&ctx.tls),
                     DialError::Failed(t) => t,
                 }
             }

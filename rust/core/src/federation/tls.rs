@@ -221,6 +221,16 @@ impl<T> Reloadable<T> {
 }
 
 /// Subject common name of a DER certificate.
+/// The CN of the certificate a client configuration presents.
+pub fn own_cn(cfg: &ClientConfig) -> Option<String> {
+    let schemes = cfg
+        .crypto_provider()
+        .signature_verification_algorithms
+        .supported_schemes();
+    let key = cfg.client_auth_cert_resolver.resolve(&[], &schemes)?;
+    peer_cn(key.cert.first()?)
+}
+
 pub fn peer_cn(der: &[u8]) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
     let cn = cert
