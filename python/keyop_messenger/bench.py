@@ -1023,7 +1023,8 @@ def _per_core(cpu_us: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``keyop-messenger bench``."""
-    ap = argparse.ArgumentParser(prog="keyop-messenger bench", description=__doc__.splitlines()[0])
+    summary = __doc__.splitlines()[0].replace("``", "")  # reST quotes read as noise in --help
+    ap = argparse.ArgumentParser(prog="keyop-messenger bench", description=summary)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="one short run of each (< 60 s)")
     ap.add_argument(

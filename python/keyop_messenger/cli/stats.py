@@ -50,7 +50,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     for c in stats.channels:
         max_lag = max((s.lag_bytes for s in c.subscribers), default=0)
         rows.append([c.name, c.stream_bytes, c.disk_bytes, len(c.subscribers), max_lag])
-    rows.append([f"total ({t.channels} channels)", t.stream_bytes, t.disk_bytes, t.subscribers, ""])
+    noun = "channel" if t.channels == 1 else "channels"
+    rows.append([f"total ({t.channels} {noun})", t.stream_bytes, t.disk_bytes, t.subscribers, ""])
     for text in table(rows, {1, 2, 3, 4}):
         out.line(text)
     subs = [(c.name, s) for c in stats.channels for s in c.subscribers]
