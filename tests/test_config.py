@@ -894,3 +894,12 @@ def test_errors_of_a_file_name_it(tmp_path: Path) -> None:
             {"name": "a", "storage": {"data_dir": "/d"}, "subscribers": {"max_retries": -1}}
         )
     assert info.value.path is None and "invalid configuration: " in str(info.value)
+
+
+def test_an_unknown_key_with_no_close_match_lists_the_keys_of_its_section() -> None:
+    problems = problems_of(minimal(storage={"data_dir": "/d", "colour": 1}))
+    assert problems == [
+        "storage.colour: unknown key (the keys in storage are: data_dir, sync_interval_ms, "
+        "max_subscriber_lag_mb, segment_size_mb, compaction_threshold_mb, "
+        "offset_flush_interval_ms)"
+    ]

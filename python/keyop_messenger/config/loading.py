@@ -298,6 +298,9 @@ def _report_unknown_key(path: str, key: object, known: list[str], problems: Prob
         close = difflib.get_close_matches(key, known, n=1)
         if close:
             hint = f"did you mean {join_key(path, close[0])}?"
+        else:
+            where = f"in {path}" if path else "at the top level"
+            hint = f"the keys {where} are: {', '.join(known)}"
     problems.add(dotted, f"unknown key ({hint})" if hint else "unknown key")
 
 
