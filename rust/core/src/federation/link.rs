@@ -17,6 +17,8 @@ use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, Mutex};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
@@ -219,8 +221,18 @@ where
         .await
         .unwrap_or_else(|e| Some(format!("sender task failed: {e}")));
     let _ = pinger.await;
+    // An instance shutting down says so (1001, "going away"): the peer logs
+    // why its link ended. Otherwise the close carries no code, as in 1.4.
+    let going_away = shared.cancel.is_cancelled().then(|| CloseFrame {
+        code: CloseCode::Away,
+        reason: "shutting down".into(),
+    });
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        sink.lock().await.close().await
+        let mut sink = sink.lock().await;
+        if let Some(frame) = going_away {
+            let _ = sink.send(Message::Close(Some(frame))).await;
+        }
+        sink.close().await
     })
     .await;
     if shared.cancel.is_cancelled() {
@@ -288,7 +300,19 @@ where
                     }
                 }
             }
-            Message::Close(_) => return Some("peer closed the connection".into()),
+            Message::Close(frame) => {
+                return Some(match frame {
+                    Some(f) if f.reason.is_empty() => {
+                        format!("peer closed the connection (code {})", u16::from(f.code))
+                    }
+                    Some(f) => format!(
+                        "peer closed the connection (code {}: {})",
+                        u16::from(f.code),
+                        f.reason.as_str().escape_debug()
+                    ),
+                    None => "peer closed the connection".into(),
+                })
+            }
             _ => {}
         }
     }
