@@ -154,9 +154,12 @@ class GatewayStats:
     streams_open: int = 0
     refused: dict[str, int] = field(default_factory=dict)
     """Refusals by reason: ``unauthenticated`` (401), ``forbidden`` (403),
-    ``too_large`` (413), ``rate_limited`` (429), ``too_many_streams`` (503),
-    ``bad_request`` (400, 404, 405), ``timed_out`` (header or idle timeout) and
-    ``storage`` (500: the record could not be stored, e.g. a full disk)."""
+    ``too_large`` (413), ``rate_limited`` (429), ``too_many_streams`` (503, or 429
+    for one client's share), ``too_many_auth_failures`` (429: an address sent too
+    many bad tokens), ``bad_request`` (400, 404, 405, 426, WebSocket protocol
+    errors), ``timed_out`` (header or idle timeout), ``too_many_connections`` (an
+    unfinished connection dropped to make room), ``tls`` (a failed TLS handshake)
+    and ``storage`` (500: the record could not be stored, e.g. a full disk)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 //! Who a gateway client is and what it may do: the client certificate's CN
 //! checked against `hub.allowed_peers` (the hub's own policy), or a bearer
 //! token whose SHA-256 hash is listed in `gateway.tokens`; and the per-client
-//! rate limit.
+//! rate limit (also used for bad tokens per address).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -149,6 +149,11 @@ pub struct RateLimiter {
     buckets: Mutex<HashMap<String, (f64, Instant)>>,
 }
 
+/// Bad tokens one address may send at once (then 429 until its bucket refills).
+pub const AUTH_FAILURE_BURST: u32 = 10;
+/// Bad tokens per second one address may send after its burst.
+pub const AUTH_FAILURE_RATE: f64 = 1.0;
+
 /// Clients remembered at most; idle full buckets are forgotten first.
 const MAX_BUCKETS: usize = 10_000;
 
@@ -164,10 +169,31 @@ impl RateLimiter {
 
     /// Takes one request from `client`'s bucket: `Err(wait)` when it is empty.
     pub fn check(&self, client: &str) -> Result<(), Duration> {
+        self.take(client, true)
+    }
+
+    /// Whether `client`'s bucket holds a request, without taking it:
+    /// `Err(wait)` when it is empty.
+    pub fn peek(&self, client: &str) -> Result<(), Duration> {
+        self.take(client, false)
+    }
+
+    fn take(&self, client: &str, take: bool) -> Result<(), Duration> {
         if self.rate <= 0.0 {
             return Ok(());
         }
         let now = Instant::now();
+        if !take {
+            let b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+            let tokens = b.get(client).map_or(self.burst, |(tokens, at)| {
+                (tokens + now.duration_since(*at).as_secs_f64() * self.rate).min(self.burst)
+            });
+            return if tokens >= 1.0 {
+                Ok(())
+            } else {
+                Err(Duration::from_secs_f64((1.0 - tokens) / self.rate))
+            };
+        }
         let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         if b.len() >= MAX_BUCKETS && !b.contains_key(client) {
             let (rate, burst) = (self.rate, self.burst);
@@ -234,5 +260,16 @@ mod tests {
         assert!(r.check("a").is_ok());
         assert!(r.check("a").is_err());
         assert!(r.check("b").is_ok());
+    }
+
+    #[test]
+    fn peek_takes_nothing() {
+        let r = RateLimiter::new(0.001, 1);
+        for _ in 0..3 {
+            assert!(r.peek("a").is_ok());
+        }
+        assert!(r.check("a").is_ok());
+        assert!(r.peek("a").is_err());
+        assert!(r.peek("b").is_ok());
     }
 }

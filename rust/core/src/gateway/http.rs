@@ -59,17 +59,52 @@ fn authenticate(
             "unauthenticated",
             "no credentials: present a client certificate or an Authorization: Bearer token",
         ),
-        AuthError::BadToken => Refusal::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthenticated",
-            "the bearer token is not one of gateway.tokens",
-        ),
+        AuthError::BadToken => {
+            // Taken from the address's allowance of bad tokens.
+            let _ = state.auth_failures.check(&client.remote.ip().to_string());
+            Refusal::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "the bearer token is not one of gateway.tokens",
+            )
+        }
         AuthError::UnknownPeer(cn) => Refusal::new(
             StatusCode::FORBIDDEN,
             "forbidden",
             format!("certificate CN {cn:?} is not in hub.allowed_peers"),
         ),
     })
+}
+
+/// [`authenticate`], unless the client's address sent too many bad tokens
+/// (more than [`auth::AUTH_FAILURE_BURST`] at once, then
+/// [`auth::AUTH_FAILURE_RATE`] a second): then 429 without checking the
+/// token (a right guess is refused too) and the connection is closed.
+/// A certificate client is identified by TLS and is not held back.
+fn authenticate_limited(
+    state: &State,
+    client: &Client,
+    req: &Request<Incoming>,
+) -> Result<Identity, Refusal> {
+    let addr = client.remote.ip().to_string();
+    if client.cn.is_none() {
+        if let Err(wait) = state.auth_failures.peek(&addr) {
+            let mut r = Refusal::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_auth_failures",
+                format!(
+                    "{addr} sent too many bad tokens (more than {} at once, then {}/s); \
+                     retry later",
+                    auth::AUTH_FAILURE_BURST,
+                    auth::AUTH_FAILURE_RATE
+                ),
+            );
+            r.retry_after = Some(wait.as_secs_f64().ceil() as u64);
+            r.close = true;
+            return Err(r);
+        }
+    }
+    authenticate(state, client, req)
 }
 
 /// Entry point of every request.
@@ -79,6 +114,14 @@ pub(super) async fn handle(
     mut req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     state.counters.requests.fetch_add(1, Ordering::Relaxed);
+    // Its first request: the connection is no longer one still opening.
+    drop(
+        client
+            .opening
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(),
+    );
     let resp = match route(&state, &client, &mut req).await {
         Ok(r) => r,
         Err(r) => {
@@ -151,7 +194,7 @@ async fn route(
             format!("no such path {path:?}: use /v1/channels/{{channel}}/messages or /ws"),
         ));
     }
-    let identity = authenticate(state, client, req)?;
+    let identity = authenticate_limited(state, client, req)?;
     rate_limit(state, &identity.label)?;
     validate_name(NameKind::Channel, &channel)
         .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "invalid", e.to_string()))?;
@@ -185,9 +228,9 @@ async fn route(
             let sse = header_str(req, "accept")
                 .is_some_and(|a| a.to_ascii_lowercase().contains("text/event-stream"));
             if sse {
-                super::stream::sse(state, &channel, req, create).await
+                super::stream::sse(state, &identity.label, &channel, req, create).await
             } else {
-                super::stream::long_poll(state, &channel, req, create).await
+                super::stream::long_poll(state, &identity.label, &channel, req, create).await
             }
         }
         (&Method::GET, "ws") => {
@@ -204,7 +247,10 @@ async fn route(
                 "method_not_allowed",
                 format!("{} is not served on {path:?}", req.method()),
             );
-            r.allow = Some(if tail == "ws" { "GET" } else { "GET, POST" });
+            r.header = Some((
+                header::ALLOW,
+                if tail == "ws" { "GET" } else { "GET, POST" },
+            ));
             Err(r)
         }
     }

@@ -16,6 +16,7 @@ mod conn;
 mod http;
 mod publish;
 mod reply;
+mod slots;
 mod stream;
 mod ws;
 
@@ -82,7 +83,8 @@ pub struct GatewayConfig {
     pub rate_limit_per_s: f64,
     /// Requests a client may make at once before the rate applies.
     pub rate_limit_burst: u32,
-    /// Most streams (SSE, long polls, WebSockets) open at once (503 above).
+    /// Most streams (SSE, long polls, WebSockets) open at once (503 above);
+    /// one client may hold a quarter of them (429 above).
     pub max_streams: usize,
     /// Most connections open at once; further ones wait in the backlog.
     pub max_connections: usize,
@@ -126,6 +128,15 @@ pub struct GatewayCounters {
     pub refused_rate_limited: AtomicU64,
     pub refused_too_many_streams: AtomicU64,
     pub refused_bad_request: AtomicU64,
+    /// Connections dropped before their first request to make room for
+    /// others (`gateway.max_connections` all taken, or a quarter of them
+    /// opening from one address).
+    pub refused_too_many_connections: AtomicU64,
+    /// TLS handshakes that failed (not TLS, an untrusted certificate, closed early).
+    pub refused_tls: AtomicU64,
+    /// Requests refused (429) without checking their token: their address
+    /// sent too many bad tokens.
+    pub refused_too_many_auth_failures: AtomicU64,
     /// Publishes or reads that failed in storage (disk full, EIO: 500).
     pub refused_storage: AtomicU64,
     pub timed_out: AtomicU64,
@@ -149,6 +160,15 @@ impl GatewayCounters {
                 g(&self.refused_too_many_streams),
             ),
             ("refused_bad_request", g(&self.refused_bad_request)),
+            (
+                "refused_too_many_connections",
+                g(&self.refused_too_many_connections),
+            ),
+            ("refused_tls", g(&self.refused_tls)),
+            (
+                "refused_too_many_auth_failures",
+                g(&self.refused_too_many_auth_failures),
+            ),
             ("refused_storage", g(&self.refused_storage)),
             ("timed_out", g(&self.timed_out)),
         ]
@@ -172,7 +192,11 @@ pub(crate) struct State {
     pub cfg: GatewayConfig,
     pub counters: Arc<GatewayCounters>,
     pub limiter: auth::RateLimiter,
+    /// Bad tokens per source address ([`auth::AUTH_FAILURE_RATE`]).
+    pub auth_failures: auth::RateLimiter,
     pub streams: Arc<tokio::sync::Semaphore>,
+    /// Streams open per client label (each holds a quarter of `max_streams`).
+    pub streams_by: std::sync::Mutex<std::collections::HashMap<String, usize>>,
     pub cancel: CancellationToken,
 }
 
@@ -212,7 +236,12 @@ impl Gateway {
             budgets: std::sync::Mutex::new(std::collections::HashMap::new()),
             engine,
             limiter: auth::RateLimiter::new(cfg.rate_limit_per_s, cfg.rate_limit_burst),
+            auth_failures: auth::RateLimiter::new(
+                auth::AUTH_FAILURE_RATE,
+                auth::AUTH_FAILURE_BURST,
+            ),
             streams: Arc::new(tokio::sync::Semaphore::new(cfg.max_streams)),
+            streams_by: std::sync::Mutex::new(std::collections::HashMap::new()),
             counters: counters.clone(),
             cancel: cancel.clone(),
             cfg,

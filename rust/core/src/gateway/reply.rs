@@ -29,6 +29,9 @@ pub(super) struct Client {
     pub remote: std::net::SocketAddr,
     /// When bytes last moved on the connection (a WebSocket's idle timeout).
     pub activity: super::activity::Activity,
+    /// Until its first request arrives, the connection may be dropped to
+    /// make room for others (taken out, and dropped, by that request).
+    pub opening: std::sync::Mutex<Option<super::slots::Pending>>,
 }
 
 /// Takes a request from the client `label`'s rate limit: a 429 refusal
@@ -79,8 +82,11 @@ pub(super) struct Refusal {
     pub code: &'static str,
     pub message: String,
     pub retry_after: Option<u64>,
-    /// The methods served, for a 405's `Allow` header.
-    pub allow: Option<&'static str>,
+    /// One more header of the answer: a 405's `Allow` (the methods
+    /// served), a 426's `Sec-WebSocket-Version`.
+    pub header: Option<(header::HeaderName, &'static str)>,
+    /// Close the connection after the answer.
+    pub close: bool,
 }
 
 impl Refusal {
@@ -90,7 +96,8 @@ impl Refusal {
             code,
             message: message.into(),
             retry_after: None,
-            allow: None,
+            header: None,
+            close: false,
         }
     }
 }
@@ -125,16 +132,16 @@ pub(super) fn count(state: &State, r: &Refusal) {
 /// The counter of a refusal's reason (none for a closing messenger).
 fn counter<'a>(c: &'a GatewayCounters, r: &Refusal) -> Option<&'a AtomicU64> {
     match r.status {
+        _ if r.code == "too_many_auth_failures" => Some(&c.refused_too_many_auth_failures),
+        _ if r.code == "too_many_streams" => Some(&c.refused_too_many_streams),
         StatusCode::UNAUTHORIZED => Some(&c.refused_unauthenticated),
         StatusCode::FORBIDDEN => Some(&c.refused_forbidden),
         StatusCode::PAYLOAD_TOO_LARGE => Some(&c.refused_too_large),
         StatusCode::TOO_MANY_REQUESTS => Some(&c.refused_rate_limited),
-        StatusCode::SERVICE_UNAVAILABLE if r.code == "too_many_streams" => {
-            Some(&c.refused_too_many_streams)
-        }
-        StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => {
-            Some(&c.refused_bad_request)
-        }
+        StatusCode::BAD_REQUEST
+        | StatusCode::NOT_FOUND
+        | StatusCode::METHOD_NOT_ALLOWED
+        | StatusCode::UPGRADE_REQUIRED => Some(&c.refused_bad_request),
         _ if r.code == "storage" => Some(&c.refused_storage),
         _ => None,
     }
@@ -157,9 +164,13 @@ pub(super) fn refuse(state: &State, r: Refusal) -> Response<Body> {
         resp.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(s.max(1)));
     }
-    if let Some(allow) = r.allow {
+    if let Some((name, value)) = r.header {
         resp.headers_mut()
-            .insert(header::ALLOW, HeaderValue::from_static(allow));
+            .insert(name, HeaderValue::from_static(value));
+    }
+    if r.close {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     resp
 }

@@ -42,7 +42,8 @@ pub const ANSWER_BYTES: usize = 1024 * 1024;
 /// Batches an SSE stream queues for its connection.
 const SSE_QUEUE: usize = 2;
 
-/// Parses `earliest`, `latest`, a byte offset or an RFC 3339 time.
+/// Parses `earliest`, `latest`, a byte offset or an RFC 3339 time (one
+/// before 1677 is `earliest`, one after 2262 `latest`).
 pub(super) fn parse_position(text: &str) -> Result<StartPosition, Refusal> {
     match text {
         "earliest" => Ok(StartPosition::Earliest),
@@ -51,16 +52,21 @@ pub(super) fn parse_position(text: &str) -> Result<StartPosition, Refusal> {
             .parse()
             .map(StartPosition::Offset)
             .map_err(|e| bad(format!("offset {t:?}: {e}"))),
-        t => chrono::DateTime::parse_from_rfc3339(t)
-            .ok()
-            .and_then(|d| d.timestamp_nanos_opt())
-            .map(StartPosition::Time)
-            .ok_or_else(|| {
-                bad(format!(
-                    "position {t:?} is not earliest, latest, a byte offset or an ISO 8601 time \
-                     such as 2026-11-27T08:00:00Z"
-                ))
-            }),
+        t => match chrono::DateTime::parse_from_rfc3339(t) {
+            // Times are nanoseconds since 1970 in 64 bits (years 1677 to
+            // 2262): a time beyond is before or after every record.
+            Ok(d) => Ok(d.timestamp_nanos_opt().map(StartPosition::Time).unwrap_or(
+                if d.timestamp() < 0 {
+                    StartPosition::Earliest
+                } else {
+                    StartPosition::Latest
+                },
+            )),
+            Err(_) => Err(bad(format!(
+                "position {t:?} is not earliest, latest, a byte offset or an ISO 8601 time \
+                 such as 2026-11-27T08:00:00Z"
+            ))),
+        },
     }
 }
 
@@ -68,10 +74,12 @@ fn bad(message: String) -> Refusal {
     Refusal::new(StatusCode::BAD_REQUEST, "invalid", message)
 }
 
-/// A stream slot, released (and the gauge lowered) when dropped.
+/// A stream slot, released (and the gauge and its client's count lowered)
+/// when dropped.
 pub(super) struct Slot {
     _permit: OwnedSemaphorePermit,
     state: Arc<State>,
+    who: String,
 }
 
 impl Drop for Slot {
@@ -80,19 +88,58 @@ impl Drop for Slot {
             .counters
             .streams_open
             .fetch_sub(1, Ordering::Relaxed);
+        let mut by = self
+            .state
+            .streams_by
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = by.get_mut(&self.who) {
+            *n -= 1;
+            if *n == 0 {
+                by.remove(&self.who);
+            }
+        }
     }
 }
 
-pub(super) fn take_slot(state: &Arc<State>) -> Result<Slot, Refusal> {
+/// Most streams one client (certificate CN or token) may hold: a quarter of
+/// `gateway.max_streams` (at least one), so one client cannot take them all.
+pub(super) fn streams_per_client(state: &State) -> usize {
+    (state.cfg.max_streams / 4).max(1)
+}
+
+/// A stream slot for the client `who`: 503 when `gateway.max_streams` are
+/// open, 429 when `who` holds its share ([`streams_per_client`]).
+pub(super) fn take_slot(state: &Arc<State>, who: &str) -> Result<Slot, Refusal> {
     let permit = state
         .streams
         .clone()
         .try_acquire_owned()
         .map_err(|_| http::too_many_streams(state))?;
+    {
+        let mut by = state.streams_by.lock().unwrap_or_else(|e| e.into_inner());
+        let share = streams_per_client(state);
+        let n = by.entry(who.to_owned()).or_insert(0);
+        if *n >= share {
+            let mut r = Refusal::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_streams",
+                format!(
+                    "{who} has {n} streams open, its share of gateway.max_streams \
+                     (a quarter of {}: {share}); close one first",
+                    state.cfg.max_streams
+                ),
+            );
+            r.retry_after = Some(1);
+            return Err(r);
+        }
+        *n += 1;
+    }
     state.counters.streams_open.fetch_add(1, Ordering::Relaxed);
     Ok(Slot {
         _permit: permit,
         state: state.clone(),
+        who: who.to_owned(),
     })
 }
 
@@ -206,6 +253,7 @@ impl hyper::body::Body for ChannelBody {
 /// `Last-Event-ID` (a reconnect) or `from` (default `latest`).
 pub(super) async fn sse(
     state: &Arc<State>,
+    who: &str,
     channel: &str,
     req: &Request<Incoming>,
     create: bool,
@@ -219,7 +267,7 @@ pub(super) async fn sse(
         })?),
         None => parse_position(http::param(&q, "from").unwrap_or("latest"))?,
     };
-    let slot = take_slot(state)?;
+    let slot = take_slot(state, who)?;
     let (reader, writer) = open_reader(state, channel, pos, create)?;
     let (tx, rx) = mpsc::channel::<Bytes>(SSE_QUEUE);
     let st = state.clone();
@@ -310,6 +358,7 @@ async fn sse_loop(
 /// `after` (or from `from`), waiting up to `wait` seconds for the first.
 pub(super) async fn long_poll(
     state: &Arc<State>,
+    who: &str,
     channel: &str,
     req: &Request<Incoming>,
     create: bool,
@@ -342,7 +391,7 @@ pub(super) async fn long_poll(
         None => Duration::ZERO,
     }
     .min(http::max_wait(state));
-    let _slot = take_slot(state)?;
+    let _slot = take_slot(state, who)?;
     let (mut reader, writer) = open_reader(state, channel, pos, create)?;
     let deadline = tokio::time::Instant::now() + wait;
     let events = loop {
@@ -393,4 +442,26 @@ pub(super) async fn long_poll(
         "next": reader.position(),
     });
     Ok(http::json(StatusCode::OK, &body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_beyond_the_nanosecond_range_are_the_ends() {
+        assert!(matches!(
+            parse_position("9999-12-31T23:59:59Z"),
+            Ok(StartPosition::Latest)
+        ));
+        assert!(matches!(
+            parse_position("0000-01-01T00:00:00Z"),
+            Ok(StartPosition::Earliest)
+        ));
+        assert!(matches!(
+            parse_position("2026-11-27T08:00:00+01:00"),
+            Ok(StartPosition::Time(_))
+        ));
+        assert!(parse_position("tomorrow").is_err());
+    }
 }

@@ -5,8 +5,11 @@
 //! `{"type":"message","next":...,"message":{...}}` from `from` (default
 //! `latest`). Each publish frame takes a request from the client's rate
 //! limit; a frame over `gateway.max_body_bytes` closes with 1009, shutdown
-//! with 1001, and a connection on which no byte moves for
-//! `gateway.idle_timeout` (a reader that stopped reading) is dropped.
+//! with 1001, a frame breaking RFC 6455 (unmasked, reserved bits, a control
+//! frame over 125 bytes) with 1002, and a connection on which no byte moves
+//! for `gateway.idle_timeout` (a reader that stopped reading) is dropped.
+//! The upgrade wants `Sec-WebSocket-Version: 13` (426 otherwise) and a key
+//! of 16 bytes in base64 (400 otherwise).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -19,6 +22,7 @@ use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::io::AsyncReadExt;
+use tokio_tungstenite::tungstenite::error::ProtocolError;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
@@ -59,9 +63,27 @@ pub(super) fn upgrade(
             "this path is a WebSocket: send Upgrade: websocket and Sec-WebSocket-Key",
         ));
     };
+    // RFC 6455 4.2.1: version 13 only (426 names it), and a key that is
+    // 16 bytes in base64.
+    if http::header_str(req, "sec-websocket-version").map(str::trim) != Some("13") {
+        let mut r = Refusal::new(
+            StatusCode::UPGRADE_REQUIRED,
+            "invalid",
+            "Sec-WebSocket-Version must be 13 (RFC 6455)",
+        );
+        r.header = Some((header::SEC_WEBSOCKET_VERSION, "13"));
+        return Err(r);
+    }
+    if !is_websocket_key(key.trim()) {
+        return Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "invalid",
+            "Sec-WebSocket-Key must be 16 random bytes in base64 (24 characters)",
+        ));
+    }
     let q = http::query(req);
     let pos = stream::parse_position(http::param(&q, "from").unwrap_or("latest"))?;
-    let slot = stream::take_slot(state)?;
+    let slot = stream::take_slot(state, &identity.label)?;
     let reader = if may_subscribe {
         let (reader, writer) = stream::open_reader(state, channel, pos, create)?;
         Some((reader, writer))
@@ -239,6 +261,30 @@ async fn run<S>(
                         let _ = sink.close().await;
                         return;
                     }
+                    Some(Err(WsError::Protocol(e)))
+                        if !matches!(e, ProtocolError::ResetWithoutClosingHandshake) =>
+                    {
+                        // Not a WebSocket client's frame (unmasked, reserved
+                        // bits, a control frame over 125 bytes...): close 1002.
+                        let r = Refusal::new(
+                            StatusCode::BAD_REQUEST,
+                            "invalid",
+                            format!("WebSocket protocol error: {e}"),
+                        );
+                        http::count(&state, &r);
+                        if let Some(more) = REFUSALS_LOGGED.check() {
+                            log::info!(
+                                "gateway: closed a WebSocket of {} on channel {channel:?} (1002): {}{more}",
+                                identity.label,
+                                r.message
+                            );
+                        }
+                        let _ = sink.send(close(CloseCode::Protocol, "protocol error")).await;
+                        if let Ok(mut ws) = sink.reunite(source) {
+                            drain(ws.get_mut()).await;
+                        }
+                        return;
+                    }
                     None | Some(Err(_)) => return,
                     Some(Ok(_)) => continue,
                 };
@@ -248,6 +294,18 @@ async fn run<S>(
             }
         }
     }
+}
+
+/// Whether `key` is 16 bytes in base64 (RFC 6455 4.1): 22 characters of the
+/// alphabet, the last holding 2 bits (`A`, `Q`, `g` or `w`), then `==`.
+fn is_websocket_key(key: &str) -> bool {
+    let b = key.as_bytes();
+    b.len() == 24
+        && b[..22]
+            .iter()
+            .all(|c| c.is_ascii_alphanumeric() || *c == b'+' || *c == b'/')
+        && matches!(b[21], b'A' | b'Q' | b'g' | b'w')
+        && &b[22..] == b"=="
 }
 
 /// A close frame with `code` and `reason`.
@@ -347,5 +405,20 @@ async fn publish_frame(
             serde_json::json!({"type": "published", "ref": reference, "ids": ids, "offsets": offsets})
         }
         Err(r) => refused(r),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_websocket_key;
+
+    #[test]
+    fn a_key_is_sixteen_bytes_in_base64() {
+        assert!(is_websocket_key("dGhlIHNhbXBsZSBub25jZQ=="));
+        assert!(!is_websocket_key("dGhlIHNhbXBsZSBub25jZQ")); // no padding
+        assert!(!is_websocket_key("dGhlIHNhbXBsZSBub25jZR==")); // 130 bits
+        assert!(!is_websocket_key("dGhlIHNhbXBsZSBub25j!Q=="));
+        assert!(!is_websocket_key("abc"));
+        assert!(!is_websocket_key("c2l4dGVlbiBieXRlcyBsb25nIQ==")); // 19 bytes
     }
 }
