@@ -278,5 +278,8 @@ def test_expiry_warning_gives_iso_date(
     warnings = [r.getMessage() for r in caplog.records if "expires within" in r.getMessage()]
     assert warnings, [r.getMessage() for r in caplog.records]
     (instance,) = [w for w in warnings if w.startswith("instance")]
-    assert instance == f"instance certificate expires within 30 days, on {iso(na)} (not after)"
+    assert instance == (
+        f"instance certificate {pair.cert} (CN=node1) expires within 30 days, on {iso(na)} "
+        "(not after); make a new one with keyop-messenger keygen"
+    )
     assert not UNIX_SECONDS.search(instance), instance
