@@ -134,3 +134,45 @@ def test_data_source_from_a_spark_connect_client(connect_server: int, tmp_path: 
     got = json.loads(results[-1][len("RESULT ") :])
     assert got["rows"] == [[i, f"s{i}"] for i in range(25)]
     assert got["streamed"] == 25
+
+
+RELATIVE = textwrap.dedent(
+    """
+    import sys
+    from pyspark.sql import SparkSession
+    from keyop_messenger import spark as ks
+
+    spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate()
+    ks.register(spark)
+    df = spark.createDataFrame([(1,)], "n BIGINT")
+    for what, run in [
+        ("write", lambda: df.write.format("keyop").mode("append").option("data_dir", "rel")
+            .option("channel", "c").option("payload_type", "t").save()),
+        ("read", lambda: spark.read.format("keyop").option("data_dir", "rel")
+            .option("channel", "c").load().collect()),
+    ]:
+        try:
+            run()
+        except Exception as exc:
+            print(what.upper() + " REFUSED " + " ".join(str(exc).split())[:2000])
+        else:
+            print(what.upper() + " ACCEPTED")
+    spark.stop()
+    """
+)
+
+
+def test_a_relative_data_dir_over_spark_connect_is_refused(
+    connect_server: int, tmp_path: Path
+) -> None:
+    """It would resolve in the server's session folder, which Spark deletes
+    with the session: a write there would report success and then vanish."""
+    done = subprocess.run(
+        [sys.executable, "-c", RELATIVE, f"sc://127.0.0.1:{connect_server}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    lines = {line.split(" ", 1)[0]: line for line in done.stdout.splitlines()}
+    assert {"WRITE", "READ"} <= set(lines), done.stdout[-2000:] + done.stderr[-4000:]
+    for what in ("WRITE", "READ"):
+        assert "REFUSED" in lines[what] and "give an absolute path" in lines[what], lines[what]
+    assert not (tmp_path / "rel").exists()

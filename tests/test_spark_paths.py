@@ -117,3 +117,71 @@ def test_a_spark_worker_that_forks(spark: SparkSession, tmp_path: Path) -> None:
         assert [e.message.id for e in km.read_channel(data, "temps")] == ids
         all_ids += ids
     assert len(set(all_ids)) == len(all_ids)
+
+
+def test_path_options_are_planned_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from keyop_messenger.spark.options import planned_path
+
+    monkeypatch.chdir(tmp_path)
+    assert planned_path("data", "data_dir") == str(tmp_path / "data")
+    assert planned_path("/abs/d", "data_dir") == "/abs/d"
+    assert planned_path("file:///abs/d", "data_dir") == "/abs/d"
+    assert planned_path("file:/abs/d", "data_dir") == "/abs/d"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert planned_path("~/d", "data_dir") == str(tmp_path / "home" / "d")
+    with pytest.raises(ValueError, match="not a local file URI"):
+        planned_path("file://host/d", "data_dir")
+    # In Spark's temporary files folder (where Spark Connect plans), a
+    # relative path is refused; an absolute one is fine.
+    session = tmp_path / "spark-1" / "userFiles-2" / "session"
+    session.mkdir(parents=True)
+    monkeypatch.chdir(session)
+    with pytest.raises(ValueError, match="give an absolute path"):
+        planned_path("data", "data_dir")
+    assert planned_path(str(tmp_path / "d"), "data_dir") == str(tmp_path / "d")
+
+
+def test_a_hub_writes_tls_files_are_made_absolute_on_the_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tasks run in other folders (and machines): relative TLS paths of the
+    configuration are resolved where the write is planned, as the file is read."""
+    from keyop_messenger.spark.writer import _config_for_tasks
+
+    cfg = tmp_path / "writer.yaml"
+    cfg.write_text(
+        "name: w\nstorage: {data_dir: /unused}\n"
+        "client: {enabled: true, hubs: [{addr: '127.0.0.1:1'}]}\n"
+        "tls: {cert: pki/w.crt, key: pki/w.key, ca: /etc/ca.crt}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    config = _config_for_tasks("writer.yaml")
+    assert (config.tls.cert, config.tls.key, config.tls.ca) == (
+        str(tmp_path / "pki" / "w.crt"), str(tmp_path / "pki" / "w.key"), "/etc/ca.crt"
+    )
+
+
+def test_partitions_a_hub_write_sent_again_are_reported_and_warned(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    import dataclasses
+
+    from keyop_messenger.config import Config
+    from keyop_messenger.spark.writer import PartitionCommit, WriteSpec, report
+
+    config = Config.from_dict({"name": "w", "storage": {"data_dir": str(tmp_path)}})
+    spec = WriteSpec.__new__(WriteSpec)
+    for f in dataclasses.fields(WriteSpec):
+        object.__setattr__(spec, f.name, None)
+    object.__setattr__(spec, "channel", "c")
+    object.__setattr__(spec, "config", config)
+    commits = [
+        PartitionCommit(partition_id=0, attempt=0, rows=5, batches=1),
+        PartitionCommit(partition_id=1, attempt=1, rows=7, batches=1),
+    ]
+    with caplog.at_level("WARNING", logger="keyop_messenger.spark"):
+        counts = report(spec, commits, aborted=False)
+    assert counts["partitions_sent_again"] == [1] and counts["rows"] == 12
+    messages = [r.getMessage() for r in caplog.records]
+    (warning,) = [m for m in messages if "sent their rows again" in m]
+    assert "[1]" in warning and "(7 rows)" in warning and "dedup.seen_id_lru_size" in warning

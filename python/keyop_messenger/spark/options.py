@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -262,3 +263,48 @@ def check_subscriber_id(subscriber_id: str) -> None:
         )
     if len(subscriber_id.encode()) > 255 - len(".offset.tmp"):
         raise InvalidNameError(f"invalid subscriber id {subscriber_id!r}: too long")
+
+
+def planned_path(value: str, option: str) -> str:
+    """The absolute form of a path option, resolved where the read or write
+    is planned: ``~`` expanded and a ``file:`` URI read as its path. A
+    relative path is refused (``ValueError``) when the planning process runs
+    in Spark's temporary files folder (Spark Connect runs it in the session's
+    folder, which Spark deletes with the session: what was written there
+    would be lost)."""
+    path = value
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+        if not path.startswith("/"):
+            raise ValueError(
+                f"keyop data source: option {option!r}: {value!r} is not a local file URI "
+                "(file:///absolute/path)"
+            )
+    elif path.startswith("file:"):
+        path = path[len("file:") :]
+    path = os.path.expanduser(path)
+    if not os.path.isabs(path):
+        here = os.getcwd()
+        if _in_spark_temporary_folder(here):
+            raise ValueError(
+                f"keyop data source: option {option!r} is relative ({value!r}), and this read "
+                f"or write is planned in Spark's temporary folder {here} (Spark Connect runs "
+                "it in the session's folder, deleted with the session): give an absolute path"
+            )
+    return os.path.abspath(path)
+
+
+def _in_spark_temporary_folder(directory: str) -> bool:
+    """Whether ``directory`` is inside the folder Spark keeps a session's or
+    application's files in (``SparkFiles.getRootDirectory()``, named
+    ``userFiles-<uuid>``)."""
+    real = os.path.realpath(directory)
+    if f"{os.sep}userFiles-" in real:
+        return True
+    try:
+        from pyspark import SparkFiles
+
+        root = os.path.realpath(SparkFiles.getRootDirectory())
+    except Exception:  # no SparkContext here, or not a Spark worker
+        return False
+    return real == root or real.startswith(root + os.sep)

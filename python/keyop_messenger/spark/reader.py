@@ -28,6 +28,7 @@ from .options import (
     Options,
     check_channel,
     check_subscriber_id,
+    planned_path,
 )
 from .payload_parsing import arrow_parses, flat_kinds, parse_payloads
 
@@ -244,7 +245,7 @@ class ReadSpec:
         # plans it (its working directory is where Spark started, not the driver
         # program's current one; hence "give absolute paths" in the docs):
         # executors may run in another directory.
-        data_dir = os.path.abspath(o.required("data_dir", "the data directory to read"))
+        data_dir = planned_path(o.required("data_dir", "the data directory to read"), "data_dir")
         channels = _channel_list(o.required("channel", "the channel(s) to read"))
         if o.get("start_offset") and o.get("startingOffsets"):
             raise ValueError(

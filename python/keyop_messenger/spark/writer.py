@@ -40,6 +40,7 @@ from .options import (
     WRITE_OPTIONS,
     Options,
     check_channel,
+    planned_path,
 )
 
 if TYPE_CHECKING:
@@ -70,6 +71,26 @@ class PartitionCommit(WriterCommitMessage):
     skipped: int = 0
     """Rows an earlier attempt of this task had committed (found in the data
     directory and not written again); included in ``rows``."""
+
+
+def _config_for_tasks(config_path: str) -> Config:
+    """The configuration at ``config_path``, read on the driver, with its TLS
+    files made absolute there (relative to the driver's current directory,
+    as the file is read): the tasks that use it run in other directories,
+    and on other machines."""
+    from ..config import load_config
+
+    config = load_config(config_path)
+    files = {
+        name: planned_path(getattr(config.tls, name), f"config: tls.{name}")
+        for name in ("cert", "key", "ca")
+        if getattr(config.tls, name)
+    }
+    return dataclasses.replace(config, tls=dataclasses.replace(config.tls, **files))
+
+
+def _planned_report_path(path: str | None) -> str | None:
+    return None if path is None else planned_path(path, "report_path")
 
 
 def _check_on_the_driver(
@@ -127,8 +148,6 @@ class WriteSpec:
     @classmethod
     def from_options(cls, options: Any, schema: StructType, *, streaming: bool) -> WriteSpec:
         """Checks the write options; ``ValueError`` names the first problem."""
-        from ..config import load_config
-
         o = Options(options)
         o.check_known(WRITE_OPTIONS, "write")
         channel = o.required("channel", "the channel to publish to")
@@ -139,16 +158,18 @@ class WriteSpec:
                 "keyop data source: option 'payload_type' is required (it may be empty)"
             )
         config_path, data_dir = o.get("config") or None, o.get("data_dir") or None
+        # Absolute when planned (see reader.py): executors may run elsewhere.
         if data_dir is not None:
-            # Absolute when planned (see reader.py): executors may run elsewhere.
-            data_dir = os.path.abspath(data_dir)
+            data_dir = planned_path(data_dir, "data_dir")
+        if config_path is not None:
+            config_path = planned_path(config_path, "config")
         if (config_path is None) == (data_dir is None):
             raise ValueError(
                 "keyop data source: give exactly one of the options 'config' (publish through "
                 "the hub named in that YAML file) and 'data_dir' (publish into a local data "
                 "directory)"
             )
-        config = load_config(config_path) if config_path is not None else None
+        config = _config_for_tasks(config_path) if config_path is not None else None
         if config is not None and not config.client.hubs:
             raise ValueError(
                 f"keyop data source: {config_path}: client.hubs must name the hub to publish to"
@@ -185,7 +206,7 @@ class WriteSpec:
             connect_timeout_s=o.number("connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S),
             retries=o.integer("retries", DEFAULT_RETRIES),
             lock_timeout_s=o.number("lock_timeout_s", DEFAULT_LOCK_TIMEOUT_S),
-            report_path=o.get("report_path") or None,
+            report_path=_planned_report_path(o.get("report_path") or None),
             encoder=RowEncoder(schema),
             streaming=streaming,
         )
@@ -1033,6 +1054,20 @@ def report(
         if aborted and partial
         else (" (rows the failed partitions committed stay in the channel)" if aborted else ""),
     )
+    # Through a hub a retried task sends its whole partition again: the hub
+    # drops only the ids it still remembers. Never silent.
+    sent_again = sorted(m.partition_id for m in done if m.attempt > 0) if spec.config else []
+    if sent_again:
+        log.warning(
+            "keyop write to %r through a hub: partition(s) %s were retried and sent their "
+            "rows again (%d rows); the hub drops the ids it still remembers "
+            "(dedup.seen_id_lru_size, 100,000 by default, shared by all its publishers, "
+            "while it runs): if more records reached it since the first attempt, some of "
+            "these rows may be stored twice",
+            spec.channel,
+            sent_again,
+            sum(m.rows for m in done if m.partition_id in sent_again),
+        )
     counts: dict[str, Any] = {
         "channel": spec.channel,
         "status": status,
@@ -1041,6 +1076,7 @@ def report(
         "rows_committed_by_failed_partitions": partial if aborted else 0,
         "partitions": [dataclasses.asdict(m) for m in done],
         "failed_partitions": len(messages) - len(done),
+        "partitions_sent_again": sent_again,
     }
     if spec.report_path is None:
         return counts
@@ -1276,13 +1312,19 @@ def publish_partitions(
     accumulator, so classic PySpark only, not Spark Connect). Raises if a
     partition fails (rows committed before the failure stay published).
     Message ids are ``<job>:<partition>:<row index>`` with one job id per call,
-    so the hub drops the rows a retried task sends again."""
-    from ..config import load_config
-
+    so the hub drops the rows a retried task sends again while it remembers
+    their ids (``dedup.seen_id_lru_size``, 100,000 by default)."""
     check_channel(channel, publish=True)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    config = load_config(config_path)  # fails fast, on the driver
+    try:
+        context = df.sparkSession.sparkContext
+    except Exception as exc:  # Spark Connect has no SparkContext
+        raise NotImplementedError(
+            "publish_partitions needs classic PySpark (it counts rows with an accumulator); "
+            "with Spark Connect write with df.write.format('keyop')"
+        ) from exc
+    config = _config_for_tasks(os.fspath(config_path))  # fails fast, on the driver
     if not config.client.hubs:
         raise ValueError(f"{config_path}: client.hubs must name the hub to publish to")
     spec = WriteSpec(
@@ -1303,7 +1345,7 @@ def publish_partitions(
         encoder=RowEncoder(df.schema),
         streaming=False,
     )
-    counter = df.sparkSession.sparkContext.accumulator(0)
+    counter = context.accumulator(0)
     # Only picklable values are captured: the spec (dataclasses), the job id and
     # the accumulator (Spark counts a retried task's updates once).
     df.foreachPartition(_PartitionPublisher(spec, counter, new_job_id()))
