@@ -1353,9 +1353,6 @@ pub fn read_channel_stats(data_dir: &Path) -> Result<Vec<ChannelSnapshot>, Error
     channel_snapshots(data_dir, &HashMap::new(), &HashSet::new(), &HashMap::new())
 }
 
-/// Figures of every channel under `root`; `active` maps (channel, subscriber)
-/// to the position of a subscriber running in this process, `writers` the
-/// channels this process has open.
 /// Ids of the federation cursors in use now: `fed-<peer>` of every peer
 /// connected to the hub, `hub-<addr>` of every client link that is connected.
 fn linked_cursors(fed: &Federation) -> HashSet<String> {
@@ -1375,8 +1372,10 @@ fn linked_cursors(fed: &Federation) -> HashSet<String> {
     ids
 }
 
-/// `active`: subscribers of this process and their positions; `linked`:
-/// federation cursors in use ([`linked_cursors`]).
+/// Figures of every channel under `root`; `active` maps (channel, subscriber)
+/// to the position of a subscriber running in this process, `linked` holds
+/// the federation cursors in use ([`linked_cursors`]), `writers` the
+/// channels this process has open.
 fn channel_snapshots(
     root: &Path,
     active: &HashMap<(String, String), u64>,
