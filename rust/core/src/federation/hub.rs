@@ -703,13 +703,13 @@ async fn open_channels(
     ephemeral: bool,
 ) -> Result<Vec<OutChannel>, String> {
     let mut out = Vec::new();
-    let mut invalid: Vec<String> = Vec::new();
+    // Invalid names: how many, and the first few reasons.
+    let (mut invalid, mut shown) = (0usize, Vec::new());
     for channel in channels {
         if let Err(e) = validate_name(NameKind::Channel, channel) {
-            if invalid.len() < 3 {
-                invalid.push(e.to_string());
-            } else {
-                invalid.push(String::new());
+            invalid += 1;
+            if shown.len() < 3 {
+                shown.push(e.to_string());
             }
             continue;
         }
@@ -753,22 +753,12 @@ async fn open_channels(
         .map_err(|e| e.to_string())??;
         out.push(opened);
     }
-    if !invalid.is_empty() {
+    if invalid > 0 {
         // One line per handshake, however many names it holds.
-        let shown: Vec<&str> = invalid
-            .iter()
-            .filter(|e| !e.is_empty())
-            .map(String::as_str)
-            .collect();
         log::warn!(
-            "hub: peer {peer:?} asked for {} invalid channel name(s), left out: {}{}",
-            invalid.len(),
+            "hub: peer {peer:?} asked for {invalid} invalid channel name(s), left out: {}{}",
             shown.join("; "),
-            if invalid.len() > shown.len() {
-                "; ..."
-            } else {
-                ""
-            }
+            if invalid > shown.len() { "; ..." } else { "" }
         );
     }
     Ok(out)
