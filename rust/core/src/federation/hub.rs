@@ -13,6 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::SinkExt;
 use rustls::ServerConfig;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
@@ -380,7 +381,20 @@ async fn reject(state: &HubState, mut ws: WsStream, peer: &str, remote: SocketAd
         code: CloseCode::from(CLOSE_NOT_ALLOWED),
         reason: CLOSE_NOT_ALLOWED_REASON.into(),
     };
-    let _ = tokio::time::timeout(Duration::from_secs(1), ws.close(Some(close))).await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        ws.send(Message::Close(Some(close))).await?;
+        // The peer's handshake may be unread (it is refused before being
+        // read): closing with unread bytes would make the kernel answer with
+        // a reset, which can destroy the close frame before the peer reads
+        // it. So: half-close, then discard (unparsed, in a small buffer) what
+        // the peer still sends, until it closes or the second is up.
+        let tls = ws.get_mut();
+        let _ = tls.shutdown().await;
+        let mut sink = [0u8; 16 * 1024];
+        while matches!(tls.read(&mut sink).await, Ok(n) if n > 0) {}
+        Ok::<_, tokio_tungstenite::tungstenite::Error>(())
+    })
+    .await;
     audit(&state.shared, "client_rejected", peer, "", String::new());
 }
 
