@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,21 @@ from keyop_messenger.cli.token import token_hash
 TOKEN = "test-token-0123456789"
 #: Bound on every read from the gateway.
 TIMEOUT_S = 15.0
+
+
+def wait_for(cond: Any, what: str, timeout: float = TIMEOUT_S) -> None:
+    """Polls ``cond`` until it is true; fails naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+        time.sleep(0.05)
+
+
+def gateway_stats(m: Messenger) -> Any:
+    """The gateway's figures of ``m`` (it must run one)."""
+    gw = m.stats().gateway
+    assert gw is not None
+    return gw
 
 
 def gateway_doc(pki: PKI, data_dir: Path, **gateway: Any) -> dict[str, Any]:

@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,23 +17,20 @@ import pytest
 
 import fed_helpers
 from fed_helpers import OP_TEXT, PeerClosed
-from gateway_helpers import TIMEOUT_S, TOKEN, Client, WsClient, context, gateway_doc
+from gateway_helpers import (
+    TIMEOUT_S,
+    TOKEN,
+    Client,
+    WsClient,
+    context,
+    gateway_doc,
+    gateway_stats,
+    wait_for,
+)
 from keyop_messenger import Config, Messenger
 
 pki = fed_helpers.pki
 
-
-def _wait(cond: Any, what: str, timeout: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting: {what}"
-        time.sleep(0.05)
-
-
-def _gw(m: Messenger) -> Any:
-    gw = m.stats().gateway
-    assert gw is not None
-    return gw
 
 
 def _port(m: Messenger) -> int:
@@ -78,7 +74,7 @@ def test_a_flood_of_unfinished_connections_does_not_keep_clients_out(
             # The same connection, its second request.
             kept.request("GET", "/v1/channels/sensors/messages?limit=1", headers=c.headers())
             assert kept.getresponse().status == 200
-            refused = _gw(m).refused["too_many_connections"]
+            refused = gateway_stats(m).refused["too_many_connections"]
             assert refused >= 18 - 7, refused  # 7 slots for the flood, the kept one aside
             # The dropped ones were closed by the gateway.
             closed = 0
@@ -115,7 +111,7 @@ def test_bad_tokens_are_limited_per_address(pki: fed_helpers.PKI, tmp_path: Path
         assert status == 429 and body["error"] == "too_many_auth_failures", body
         node1 = Client(pki, m, cert="node1", token=None)
         assert node1.request("GET", "/v1/channels/sensors/messages")[0] == 200
-        refused = _gw(m).refused
+        refused = gateway_stats(m).refused
         assert refused["too_many_auth_failures"] >= 2, refused
         assert refused["unauthenticated"] == statuses.count(401), refused
 
@@ -134,7 +130,7 @@ def test_one_client_holds_a_quarter_of_the_streams(pki: fed_helpers.PKI, tmp_pat
         first, resp = _open_sse(app)
         try:
             assert resp.status == 200
-            _wait(lambda: _gw(m).streams_open == 1, "the first stream is open")
+            wait_for(lambda: gateway_stats(m).streams_open == 1, "the first stream is open")
             second, resp = _open_sse(app)
             try:
                 # Status first: a stream that did open would never end.
@@ -154,10 +150,10 @@ def test_one_client_holds_a_quarter_of_the_streams(pki: fed_helpers.PKI, tmp_pat
             other.close()
         finally:
             first.close()
-        _wait(lambda: _gw(m).streams_open == 0, "the streams are closed")
+        wait_for(lambda: gateway_stats(m).streams_open == 0, "the streams are closed")
         status, _, body = app.request("GET", "/v1/channels/sensors/messages?wait=0")
         assert status == 200, body
-        assert _gw(m).refused["too_many_streams"] == 2
+        assert gateway_stats(m).refused["too_many_streams"] == 2
 
 
 def test_failed_tls_handshakes_are_counted(pki: fed_helpers.PKI, tmp_path: Path) -> None:
@@ -172,7 +168,7 @@ def test_failed_tls_handshakes_are_counted(pki: fed_helpers.PKI, tmp_path: Path)
                 pass
         finally:
             s.close()
-        _wait(lambda: _gw(m).refused["tls"] == 1, "the failed handshake is counted")
+        wait_for(lambda: gateway_stats(m).refused["tls"] == 1, "the failed handshake is counted")
 
 
 def _upgrade(pki: fed_helpers.PKI, m: Messenger, version: str, key: str) -> str:
@@ -206,7 +202,7 @@ def test_websocket_upgrades_follow_rfc_6455(pki: fed_helpers.PKI, tmp_path: Path
             head = _upgrade(pki, m, "13", key)
             assert head.startswith("http/1.1 400"), head
         assert _upgrade(pki, m, "13", good_key).startswith("http/1.1 101")
-        assert _gw(m).refused["bad_request"] == 6
+        assert gateway_stats(m).refused["bad_request"] == 6
 
 
 @pytest.mark.parametrize("frame", [
@@ -230,7 +226,9 @@ def test_websocket_protocol_errors_close_with_1002_and_are_counted(
             assert closed.value.code == 1002
         finally:
             ws.close()
-        _wait(lambda: _gw(m).refused["bad_request"] == 1, "the protocol error is counted")
+        wait_for(
+            lambda: gateway_stats(m).refused["bad_request"] == 1, "the protocol error is counted"
+        )
 
 
 def test_start_times_beyond_the_engines_clock_are_the_ends(

@@ -12,31 +12,27 @@ import json
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import fed_helpers
 from fed_helpers import OP_BINARY, OP_TEXT, PeerClosed
-from gateway_helpers import TIMEOUT_S, TOKEN, Client, WsClient, context, gateway_doc
+from gateway_helpers import (
+    TIMEOUT_S,
+    TOKEN,
+    Client,
+    WsClient,
+    context,
+    gateway_doc,
+    gateway_stats,
+    wait_for,
+)
 from keyop_messenger import Config, ConfigError, Messenger
 
 pki = fed_helpers.pki
 
 MIB = 1024 * 1024
 
-
-def _wait(cond: Any, what: str, timeout: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting: {what}"
-        time.sleep(0.05)
-
-
-def _gw(m: Messenger) -> Any:
-    gw = m.stats().gateway
-    assert gw is not None
-    return gw
 
 
 def _fill(m: Messenger, channel: str, n: int, size: int) -> None:
@@ -71,12 +67,12 @@ def test_a_stream_that_is_not_read_holds_a_few_records(
         socks = [_raw_sse(pki, m, "/v1/channels/sensors/messages?from=earliest")
                  for _ in range(2)]  # fmt: skip
         try:
-            _wait(lambda: _gw(m).streams_open == 2, "two streams open")
+            wait_for(lambda: gateway_stats(m).streams_open == 2, "two streams open")
             # Until the streams are blocked on their clients.
-            _wait(lambda: _gw(m).delivered >= 2, "records handed to the streams")
+            wait_for(lambda: gateway_stats(m).delivered >= 2, "records handed to the streams")
             last, stable_since = -1, time.monotonic()
             while time.monotonic() - stable_since < 1.0:
-                now = _gw(m).delivered
+                now = gateway_stats(m).delivered
                 if now != last:
                     last, stable_since = now, time.monotonic()
                 time.sleep(0.1)
@@ -115,10 +111,10 @@ def test_a_websocket_whose_reader_stalls_times_out(
         _fill(m, "sensors", 30, 900_000)
         ws = WsClient(pki, m, "/v1/channels/sensors/ws?from=earliest", rcvbuf=4096)
         try:
-            _wait(lambda: _gw(m).streams_open == 1, "the WebSocket is open")
+            wait_for(lambda: gateway_stats(m).streams_open == 1, "the WebSocket is open")
             # Never read: the gateway's sends block, then it gives up.
-            _wait(lambda: _gw(m).streams_open == 0, "the stalled WebSocket is closed")
-            assert _gw(m).refused["timed_out"] >= 1
+            wait_for(lambda: gateway_stats(m).streams_open == 0, "the stalled WebSocket is closed")
+            assert gateway_stats(m).refused["timed_out"] >= 1
         finally:
             ws.close()
 
@@ -253,7 +249,7 @@ def test_websocket_frame_over_the_limit_closes_with_1009(
             assert closed.value.code == 1009
         finally:
             ws.close()
-        assert _gw(m).refused["too_large"] == 1
+        assert gateway_stats(m).refused["too_large"] == 1
 
 
 def test_websocket_binary_frames_and_frames_over_the_rate_get_error_frames(
@@ -278,7 +274,7 @@ def test_websocket_binary_frames_and_frames_over_the_rate_get_error_frames(
             assert replies[2]["ref"] == 2 and replies[2]["retry_after"] >= 1
         finally:
             ws.close()
-        gw = _gw(m)
+        gw = gateway_stats(m)
         assert gw.refused["rate_limited"] >= 1 and gw.refused["bad_request"] == 1
         assert len(list(m.read_channel("big"))) == 2
 
@@ -287,7 +283,7 @@ def test_shutdown_closes_websockets_with_1001(pki: fed_helpers.PKI, tmp_path: Pa
     m = Messenger(Config.from_dict(gateway_doc(pki, tmp_path / "data")))
     ws = WsClient(pki, m, "/v1/channels/sensors/ws")
     try:
-        _wait(lambda: _gw(m).streams_open == 1, "the WebSocket is open")
+        wait_for(lambda: gateway_stats(m).streams_open == 1, "the WebSocket is open")
         m.close()
         with pytest.raises(PeerClosed) as closed:
             ws.recv(TIMEOUT_S)
