@@ -139,23 +139,29 @@ def test_subscription_close_is_bounded(
         bounded(lambda: m.close(timeout=5))
 
 
+async def stuck_async_handler(config: Config, subscriber_id: str) -> AsyncMessenger:
+    """An open AsyncMessenger whose subscriber ``subscriber_id`` of ``temps``
+    is inside a handler that never returns."""
+    entered = asyncio.Event()
+    forever = asyncio.Event()
+
+    async def handler(msg: Message) -> None:
+        entered.set()
+        await forever.wait()
+
+    am = AsyncMessenger(config)
+    await am.open()
+    await am.subscribe("temps", subscriber_id, handler)
+    await am.publish("temps", "test.Reading", {})
+    await asyncio.wait_for(entered.wait(), BOUND_S)
+    return am
+
+
 def test_async_aclose_is_bounded(config: Config, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
-    entered = threading.Event()
 
     async def main() -> None:
-        forever = asyncio.Event()
-
-        async def handler(msg: Message) -> None:
-            entered.set()
-            await forever.wait()
-
-        am = AsyncMessenger(config)
-        await am.open()
-        await am.subscribe("temps", "slow-async", handler)
-        await am.publish("temps", "test.Reading", {})
-        while not entered.is_set():
-            await asyncio.sleep(0.01)
+        am = await stuck_async_handler(config, "slow-async")
         await asyncio.wait_for(am.aclose(timeout=0.3), BOUND_S)
 
     bounded(lambda: asyncio.run(main()))
@@ -167,21 +173,9 @@ def test_async_close_cancelled_stops_waiting_and_still_releases(config: Config) 
     ``asyncio.run`` does) makes the close stop waiting for the stuck handler:
     the cancellation arrives long before the timeout, and the close has
     flushed and released the directory by then."""
-    entered = threading.Event()
 
     async def main() -> float:
-        forever = asyncio.Event()
-
-        async def handler(msg: Message) -> None:
-            entered.set()
-            await forever.wait()
-
-        am = AsyncMessenger(config)
-        await am.open()
-        await am.subscribe("temps", "stuck", handler)
-        await am.publish("temps", "test.Reading", {})
-        while not entered.is_set():
-            await asyncio.sleep(0.01)
+        am = await stuck_async_handler(config, "stuck")
         closing = asyncio.ensure_future(am.close(timeout=600))
         await asyncio.sleep(0.3)  # inside close, waiting for the handler
         began = time.monotonic()
